@@ -1,0 +1,27 @@
+# headroom's two entry points (see README): `make run` and `make test`. Both install what they need.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+
+.PHONY: setup configure build run test bench clean
+
+setup:
+	@bash scripts/setup >/dev/null
+
+configure: setup
+	@mkdir -p $(BUILD)
+	@cmake -S . -B $(BUILD) -G Ninja > $(BUILD)/cmake.log 2>&1 || (cat $(BUILD)/cmake.log; exit 1)
+
+build: configure
+	@cmake --build $(BUILD) -j $(JOBS)
+
+run: build
+	$(BUILD)/headroom train
+
+test: build
+	cd $(BUILD) && ctest -j $(JOBS) --output-on-failure
+
+bench: build
+	@for b in $(BUILD)/bench_*; do echo "== $$b"; $$b; done
+
+clean:
+	rm -rf $(BUILD)

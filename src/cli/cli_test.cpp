@@ -1,0 +1,122 @@
+// The command line as a user meets it: exit codes, one-line errors, --json's single object.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <sys/wait.h>
+
+#include "device/cuda_adapter.h"
+#include "testing/temp_dir.h"
+
+namespace headroom {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+struct Result {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+Result run(const std::string& args) {
+  TempDir dir;
+  const std::string cmd = std::string(HEADROOM_BINARY) + " " + args + " 2>" + dir.file("err") + " </dev/null";
+  Result r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  std::array<char, 4096> buf{};
+  size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+  const int status = ::pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream e(dir.file("err"));
+  std::stringstream ss;
+  ss << e.rdbuf();
+  r.err = ss.str();
+  return r;
+}
+
+size_t lines(const std::string& s) { return static_cast<size_t>(std::count(s.begin(), s.end(), '\n')); }
+
+void expect_usage_error(const std::string& args, const std::string& says) {
+  const Result r = run(args);
+  EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
+  EXPECT_EQ(lines(r.err), 1u) << "one line, no stack trace: " << r.err;
+  EXPECT_THAT(r.err, HasSubstr(says)) << args;
+}
+
+TEST(Cli, BadInputGivesOneLineAndExitCode2) {
+  TempDir dir;
+  {
+    std::ofstream f(dir.file("bert.json"));
+    f << R"({"model_type": "bert", "vocab_size": 30522})";
+  }
+  expect_usage_error("train --model " + dir.file("bert.json"), "model_type 'bert' is not supported; supported:");
+  expect_usage_error("train --model nosuchpreset", "(not a preset name and not a readable file); presets:");
+  expect_usage_error("train --batch -3", "--batch must be positive, got -3");
+  expect_usage_error("train --seq 0", "--seq must be positive");
+  expect_usage_error("train --steps many", "--steps: 'many' is not an integer");
+  expect_usage_error("train --data /no/such.txt", "--data: cannot read '/no/such.txt'");
+  expect_usage_error("train --set num_hidden_layers=-1", "number of layers must be positive, got -1");
+  expect_usage_error("train --attention fast", "accepted: flash");
+  expect_usage_error("train --resume " + dir.path(), "no checkpoint at");
+  expect_usage_error("train --bogus", "bogus");
+  expect_usage_error("frobnicate", "unknown command 'frobnicate'; commands: train");
+  {
+    std::ofstream f(dir.file("run.toml"));
+    f << "steps = 3\nlearning_rate = 0.1\n";
+  }
+  expect_usage_error("train --config " + dir.file("run.toml"), "unknown key 'learning_rate'; accepted: model, set");
+  {
+    std::ofstream f(dir.file("broken.toml"));
+    f << "steps = = 3\n";
+  }
+  expect_usage_error("train --config " + dir.file("broken.toml"), "broken.toml:1:");
+}
+
+TEST(Cli, DeviceCudaIsAnErrorOnlyWithoutAGpu) {
+  const Result r = run("train --device cuda --steps 1 --batch 1 --seq 8 --set num_hidden_layers=1 --quiet");
+  if (cuda_available()) {
+    EXPECT_EQ(r.code, 0) << r.err;
+  } else {
+    EXPECT_EQ(r.code, 2);
+    EXPECT_THAT(r.err, HasSubstr("no CUDA device is available here; use --device cpu"));
+  }
+}
+
+TEST(Cli, JsonPrintsExactlyOneObjectAndTomlIsOverriddenByFlags) {
+  TempDir dir;
+  {
+    std::ofstream f(dir.file("run.toml"));
+    f << "model = \"tiny\"\nset = [\"num_hidden_layers=1\"]\nsteps = 50\nbatch = 2\nseq = 16\ndevice = \"cpu\"\n";
+  }
+  const Result r = run("train --config " + dir.file("run.toml") + " --steps 2 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(lines(r.out), 1u);
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["steps"], 2);  // the flag beat the file's 50
+  for (const char* key : {"params", "steps", "final_loss", "eval_loss", "tokens_per_s", "peak_bytes"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_THAT(r.err, HasSubstr("step     2/2"));  // progress goes to stderr
+}
+
+TEST(Cli, HelpListsTheFlagsAndExitCodes) {
+  const Result top = run("--help");
+  EXPECT_EQ(top.code, 0);
+  EXPECT_THAT(top.out, HasSubstr("3 out of memory"));
+  const Result train = run("train --help");
+  EXPECT_EQ(train.code, 0);
+  for (const char* flag : {"--model", "--set", "--steps", "--checkpoint", "--resume", "--metrics", "--config"}) {
+    EXPECT_THAT(train.out, HasSubstr(flag));
+  }
+}
+
+}  // namespace
+}  // namespace headroom

@@ -1,0 +1,74 @@
+// headroom — makes Transformer training fit in accelerator memory. Entry point: parses the command
+// line, runs one subcommand, and turns every failure into a one-line message and an exit code.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+
+#include "cli/train_command.h"
+#include "util/error.h"
+
+namespace {
+
+bool wants_json(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--json") return true;
+  }
+  return false;
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+int report(bool json, int code, const std::string& kind, const std::string& message) {
+  fmt::print(stderr, "headroom: {}: {}\n", kind, message);
+  if (json) fmt::print("{}\n", nlohmann::json({{"error", message}, {"kind", kind}, {"exit_code", code}}).dump());
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace headroom;
+  CLI::App app{"headroom: makes Transformer training fit in accelerator memory.", "headroom"};
+  app.require_subcommand(1);
+  app.footer(
+      "Sizes accept 512MiB, 24GiB, 80GB. Every command takes --json and then prints exactly one JSON object on "
+      "stdout.\n"
+      "Exit codes: 0 success; 2 bad input (flags, config, files); 3 out of memory; 4 internal error.");
+  std::function<int()> run;
+  add_train_command(app, run);
+
+  const bool json = wants_json(argc, argv);
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(sub->get_name());
+  if (argc > 1 && argv[1][0] != '-' && std::find(names.begin(), names.end(), argv[1]) == names.end()) {
+    return report(json, kExitUsage, "error",
+                  fmt::format("unknown command '{}'; commands: {}", argv[1], fmt::join(names, ", ")));
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    return report(json, kExitUsage, "error", first_line(e.what()) + " (see headroom --help)");
+  }
+  try {
+    return run ? run() : kExitUsage;
+  } catch (const Error& e) {
+    return report(json, kExitUsage, "error", e.what());
+  } catch (const c10::OutOfMemoryError& e) {
+    return report(json, kExitOom, "out of memory", first_line(e.what_without_backtrace()));
+  } catch (const c10::Error& e) {
+    return report(json, kExitInternal, "internal error", first_line(e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return report(json, kExitInternal, "internal error", first_line(e.what()));
+  }
+}

@@ -1,0 +1,361 @@
+#include "config/model_config.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "data/embedded.h"
+#include "util/error.h"
+
+namespace headroom {
+namespace {
+
+using nlohmann::json;
+
+// Reads fields of one config.json, remembering which it consulted so that an override of a field
+// no reader looks at can be refused instead of silently ignored.
+class FieldReader {
+ public:
+  FieldReader(const json& j, std::string origin, std::string type)
+      : j_(j), origin_(std::move(origin)), type_(std::move(type)) {}
+
+  bool has(const std::string& key) {
+    used_.insert(key);
+    return j_.contains(key) && !j_.at(key).is_null();
+  }
+  int64_t integer(const std::string& key) {
+    if (!has(key)) fail("{}: missing field '{}' (required for model_type '{}')", origin_, key, type_);
+    return as_int(key);
+  }
+  int64_t integer_or(const std::string& key, int64_t fallback) {
+    return has(key) ? as_int(key) : fallback;
+  }
+  double number_or(const std::string& key, double fallback) {
+    if (!has(key)) return fallback;
+    const json& v = j_.at(key);
+    if (!v.is_number()) fail("{}: field '{}' must be a number, got {}", origin_, key, v.dump());
+    return v.get<double>();
+  }
+  bool boolean_or(const std::string& key, bool fallback) {
+    if (!has(key)) return fallback;
+    const json& v = j_.at(key);
+    if (!v.is_boolean()) fail("{}: field '{}' must be true or false, got {}", origin_, key, v.dump());
+    return v.get<bool>();
+  }
+  std::string string_or(const std::string& key, const std::string& fallback) {
+    if (!has(key)) return fallback;
+    const json& v = j_.at(key);
+    if (!v.is_string()) fail("{}: field '{}' must be a string, got {}", origin_, key, v.dump());
+    return v.get<std::string>();
+  }
+  const json& raw(const std::string& key) {
+    used_.insert(key);
+    return j_.at(key);
+  }
+  const std::set<std::string>& used() const { return used_; }
+
+ private:
+  int64_t as_int(const std::string& key) {
+    const json& v = j_.at(key);
+    if (v.is_number_integer()) return v.get<int64_t>();
+    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
+      return static_cast<int64_t>(v.get<double>());
+    fail("{}: field '{}' must be an integer, got {}", origin_, key, v.dump());
+  }
+
+  const json& j_;
+  std::string origin_;
+  std::string type_;
+  std::set<std::string> used_;
+};
+
+Activation parse_activation(const std::string& name, const std::string& origin) {
+  if (name == "gelu") return Activation::gelu;
+  if (name == "gelu_new" || name == "gelu_pytorch_tanh" || name == "gelu_fast") return Activation::gelu_tanh;
+  if (name == "silu" || name == "swish") return Activation::silu;
+  if (name == "relu") return Activation::relu;
+  fail("{}: activation '{}' is not supported; accepted: gelu, gelu_new, gelu_pytorch_tanh, silu, relu",
+       origin, name);
+}
+
+void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin) {
+  if (!r.has("rope_scaling")) return;
+  const json& s = r.raw("rope_scaling");
+  if (!s.is_object()) fail("{}: field 'rope_scaling' must be an object or null", origin);
+  std::string type = s.value("rope_type", s.value("type", std::string("default")));
+  if (type == "default") return;
+  if (type != "llama3" && type != "linear") {
+    fail("{}: rope_scaling type '{}' is not supported; accepted: default, linear, llama3", origin, type);
+  }
+  RopeScaling rs;
+  rs.type = type;
+  rs.factor = s.value("factor", 1.0);
+  rs.low_freq_factor = s.value("low_freq_factor", 1.0);
+  rs.high_freq_factor = s.value("high_freq_factor", 4.0);
+  rs.original_max_positions = s.value("original_max_position_embeddings", int64_t{8192});
+  if (rs.factor <= 0) fail("{}: rope_scaling.factor must be positive", origin);
+  c.rope_scaling = rs;
+}
+
+// llama, mistral and qwen2 share one layout; they differ in biases and defaults.
+void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) {
+  c.vocab_size = r.integer("vocab_size");
+  c.hidden_size = r.integer("hidden_size");
+  c.num_layers = r.integer("num_hidden_layers");
+  c.num_heads = r.integer("num_attention_heads");
+  c.intermediate_size = r.integer("intermediate_size");
+  c.max_positions = r.integer("max_position_embeddings");
+  c.num_kv_heads = r.integer_or("num_key_value_heads", c.num_heads);
+  c.head_dim = r.integer_or("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+  c.norm = NormKind::rms_norm;
+  c.norm_eps = r.number_or("rms_norm_eps", 1e-6);
+  c.activation = parse_activation(r.string_or("hidden_act", "silu"), origin);
+  c.gated_mlp = true;
+  c.rotary_dim = c.head_dim;
+  c.rope_theta = r.number_or("rope_theta", 10000.0);
+  read_rope_scaling(r, c, origin);
+  c.attn_dropout = r.number_or("attention_dropout", 0.0);
+  c.initializer_range = r.number_or("initializer_range", 0.02);
+  c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
+  switch (c.family) {
+    case Family::llama:
+      c.qkv_bias = c.out_bias = r.boolean_or("attention_bias", false);
+      c.mlp_bias = r.boolean_or("mlp_bias", false);
+      break;
+    case Family::mistral:
+      if (r.has("sliding_window")) c.sliding_window = r.integer("sliding_window");
+      break;
+    case Family::qwen2:
+      c.qkv_bias = true;  // Qwen2Attention: q/k/v carry a bias, o_proj does not
+      if (r.boolean_or("use_sliding_window", false) && r.has("sliding_window")) {
+        c.sliding_window = r.integer("sliding_window");
+      }
+      break;
+    default:
+      break;
+  }
+}
+
+void read_gpt2(FieldReader& r, ModelConfig& c, const std::string& origin) {
+  c.vocab_size = r.integer("vocab_size");
+  c.hidden_size = r.integer("n_embd");
+  c.num_layers = r.integer("n_layer");
+  c.num_heads = r.integer("n_head");
+  c.max_positions = r.integer("n_positions");
+  c.num_kv_heads = c.num_heads;
+  c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
+  c.intermediate_size = r.integer_or("n_inner", 4 * c.hidden_size);
+  c.norm = NormKind::layer_norm;
+  c.norm_bias = true;
+  c.norm_eps = r.number_or("layer_norm_epsilon", 1e-5);
+  c.activation = parse_activation(r.string_or("activation_function", "gelu_new"), origin);
+  c.gated_mlp = false;
+  c.learned_positions = true;
+  c.qkv_bias = c.out_bias = c.mlp_bias = true;
+  c.fused_qkv = true;
+  c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", true);
+  c.embd_dropout = r.number_or("embd_pdrop", 0.1);
+  c.attn_dropout = r.number_or("attn_pdrop", 0.1);
+  c.resid_dropout = r.number_or("resid_pdrop", 0.1);
+  c.initializer_range = r.number_or("initializer_range", 0.02);
+}
+
+void read_gpt_neox(FieldReader& r, ModelConfig& c, const std::string& origin) {
+  c.vocab_size = r.integer("vocab_size");
+  c.hidden_size = r.integer("hidden_size");
+  c.num_layers = r.integer("num_hidden_layers");
+  c.num_heads = r.integer("num_attention_heads");
+  c.intermediate_size = r.integer("intermediate_size");
+  c.max_positions = r.integer("max_position_embeddings");
+  c.num_kv_heads = c.num_heads;
+  c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
+  c.norm = NormKind::layer_norm;
+  c.norm_bias = true;
+  c.norm_eps = r.number_or("layer_norm_eps", 1e-5);
+  c.activation = parse_activation(r.string_or("hidden_act", "gelu"), origin);
+  c.gated_mlp = false;
+  const double pct = r.number_or("rotary_pct", 0.25);
+  if (pct <= 0 || pct > 1) fail("{}: field 'rotary_pct' must be in (0, 1], got {}", origin, pct);
+  c.rotary_dim = static_cast<int64_t>(c.head_dim * pct);  // HF: int(head_size * rotary_pct)
+  c.rope_theta = r.number_or("rotary_emb_base", 10000.0);
+  read_rope_scaling(r, c, origin);
+  c.qkv_bias = c.out_bias = r.boolean_or("attention_bias", true);
+  c.mlp_bias = true;
+  c.fused_qkv = true;
+  c.parallel_residual = r.boolean_or("use_parallel_residual", true);
+  c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
+  c.attn_dropout = r.number_or("attention_dropout", 0.0);
+  c.resid_dropout = r.number_or("hidden_dropout", 0.0);
+  c.initializer_range = r.number_or("initializer_range", 0.02);
+}
+
+void validate(const ModelConfig& c, const std::string& origin) {
+  auto positive = [&](const char* field, int64_t v) {
+    if (v <= 0) fail("{}: {} must be positive, got {}", origin, field, v);
+  };
+  positive("vocab_size", c.vocab_size);
+  positive("hidden size", c.hidden_size);
+  positive("number of layers", c.num_layers);
+  positive("number of attention heads", c.num_heads);
+  positive("number of key/value heads", c.num_kv_heads);
+  positive("intermediate size", c.intermediate_size);
+  positive("max position embeddings", c.max_positions);
+  positive("head dim", c.head_dim);
+  if (c.head_dim * c.num_heads != c.hidden_size && c.family != Family::llama &&
+      c.family != Family::mistral && c.family != Family::qwen2) {
+    fail("{}: hidden size {} is not divisible by {} attention heads", origin, c.hidden_size, c.num_heads);
+  }
+  if (c.num_heads % c.num_kv_heads != 0) {
+    fail("{}: {} attention heads are not a multiple of {} key/value heads", origin, c.num_heads,
+         c.num_kv_heads);
+  }
+  if (!c.learned_positions && (c.rotary_dim <= 0 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim)) {
+    fail("{}: rotary dimension {} must be even and in (0, head dim {}]", origin, c.rotary_dim, c.head_dim);
+  }
+  for (double p : {c.embd_dropout, c.attn_dropout, c.resid_dropout}) {
+    if (p < 0 || p >= 1) fail("{}: dropout probabilities must be in [0, 1), got {}", origin, p);
+  }
+  if (c.norm_eps <= 0) fail("{}: the norm epsilon must be positive, got {}", origin, c.norm_eps);
+  if (c.sliding_window && *c.sliding_window <= 0) {
+    fail("{}: sliding_window must be positive, got {}", origin, *c.sliding_window);
+  }
+  // A size this large cannot be meant; it would also overflow the byte arithmetic downstream.
+  if (c.vocab_size > (int64_t{1} << 24) || c.hidden_size > (int64_t{1} << 20) ||
+      c.num_layers > 10000 || c.intermediate_size > (int64_t{1} << 22)) {
+    fail("{}: sizes out of range (vocab_size <= 16M, hidden size <= 1M, layers <= 10000, "
+         "intermediate size <= 4M)", origin);
+  }
+}
+
+json parse_override_value(const std::string& text) {
+  json v = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (v.is_discarded()) return json(text);
+  return v;
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("--model: cannot read '{}' (not a preset name and not a readable file); presets: {}",
+                path, fmt::join(preset_names(), ", "));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+const char* family_name(Family family) {
+  switch (family) {
+    case Family::gpt2: return "gpt2";
+    case Family::llama: return "llama";
+    case Family::mistral: return "mistral";
+    case Family::qwen2: return "qwen2";
+    case Family::gpt_neox: return "gpt_neox";
+  }
+  return "?";
+}
+
+std::vector<std::string> supported_families() { return {"gpt2", "llama", "mistral", "qwen2", "gpt_neox"}; }
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  for (const auto& p : embedded_presets()) names.emplace_back(p.name);
+  return names;
+}
+
+namespace {
+
+// Reads and validates; `fields` receives every field name a reader consulted.
+ModelConfig read_config(const nlohmann::json& j, const std::string& origin, std::set<std::string>* fields) {
+  if (!j.is_object()) fail("{}: a model config must be a JSON object", origin);
+  if (!j.contains("model_type") || !j.at("model_type").is_string()) {
+    fail("{}: missing field 'model_type'; supported: {}", origin, fmt::join(supported_families(), ", "));
+  }
+  const std::string type = j.at("model_type").get<std::string>();
+  ModelConfig c;
+  c.name = origin;
+  c.source = j;
+  FieldReader r(j, origin, type);
+  if (type == "gpt2") {
+    c.family = Family::gpt2;
+    read_gpt2(r, c, origin);
+  } else if (type == "llama" || type == "mistral" || type == "qwen2") {
+    c.family = type == "llama" ? Family::llama : type == "mistral" ? Family::mistral : Family::qwen2;
+    read_llama_like(r, c, origin);
+  } else if (type == "gpt_neox") {
+    c.family = Family::gpt_neox;
+    read_gpt_neox(r, c, origin);
+  } else {
+    fail("{}: model_type '{}' is not supported; supported: {}", origin, type,
+         fmt::join(supported_families(), ", "));
+  }
+  validate(c, origin);
+  if (fields) *fields = r.used();
+  return c;
+}
+
+}  // namespace
+
+ModelConfig model_config_from_json(const nlohmann::json& j, const std::string& origin) {
+  return read_config(j, origin, nullptr);
+}
+
+ModelConfig load_model_config(const std::string& model, const std::vector<std::string>& overrides) {
+  std::string text;
+  std::string origin = model;
+  bool found = false;
+  for (const auto& p : embedded_presets()) {
+    if (p.name == model) {
+      text = std::string(p.json);
+      found = true;
+    }
+  }
+  if (!found) text = read_text_file(model);
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false, /*ignore_comments=*/true);
+  if (j.is_discarded()) fail("{}: not valid JSON", origin);
+  if (!j.is_object()) fail("{}: a model config must be a JSON object", origin);
+
+  std::vector<std::string> keys;
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      fail("--set '{}': expected key=value, e.g. --set num_hidden_layers=2", o);
+    }
+    const std::string key = o.substr(0, eq);
+    j[key] = parse_override_value(o.substr(eq + 1));
+    keys.push_back(key);
+  }
+  std::set<std::string> fields;
+  ModelConfig c = read_config(j, origin, &fields);
+  // Refuse overrides that no reader consulted: a typo must not be silently ignored.
+  for (const auto& key : keys) {
+    if (key != "model_type" && !fields.count(key)) {
+      fail("--set {}: model_type '{}' has no field '{}'; its fields: {}", key, family_name(c.family), key,
+           fmt::join(fields, ", "));
+    }
+  }
+  return c;
+}
+
+int64_t count_parameters(const ModelConfig& c) {
+  const int64_t d = c.hidden_size;
+  const int64_t q_dim = c.num_heads * c.head_dim;
+  const int64_t kv_dim = c.num_kv_heads * c.head_dim;
+  const int64_t norm = c.norm_bias ? 2 * d : d;
+  int64_t attn = d * (q_dim + 2 * kv_dim) + q_dim * d;
+  if (c.qkv_bias) attn += q_dim + 2 * kv_dim;
+  if (c.out_bias) attn += d;
+  const int64_t i = c.intermediate_size;
+  int64_t mlp = c.gated_mlp ? 3 * d * i : 2 * d * i;
+  if (c.mlp_bias) mlp += c.gated_mlp ? 2 * i + d : i + d;
+  const int64_t layer = attn + mlp + 2 * norm;
+  int64_t total = c.vocab_size * d + c.num_layers * layer + norm;
+  if (c.learned_positions) total += c.max_positions * d;
+  if (!c.tie_word_embeddings) total += c.vocab_size * d;
+  return total;
+}
+
+}  // namespace headroom

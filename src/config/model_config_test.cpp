@@ -1,0 +1,98 @@
+#include "config/model_config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "model/causal_lm.h"
+#include "util/error.h"
+
+namespace headroom {
+namespace {
+
+int64_t built_parameters(const ModelConfig& c) {
+  // The meta device allocates nothing: the trainer's own model, counted for free.
+  return CausalLM(c, at::TensorOptions().device(at::kMeta).dtype(at::kFloat), 0).num_parameters();
+}
+
+struct Published {
+  const char* preset;
+  int64_t params;  // from the models' Hugging Face cards / model.num_parameters()
+};
+
+class PublishedCounts : public ::testing::TestWithParam<Published> {};
+
+TEST_P(PublishedCounts, EqualHuggingFace) {
+  const auto& [preset, expected] = GetParam();
+  const ModelConfig c = load_model_config(preset);
+  EXPECT_EQ(count_parameters(c), expected);
+  EXPECT_EQ(built_parameters(c), expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, PublishedCounts,
+                         ::testing::Values(Published{"gpt2", 124'439'808}, Published{"llama-3.2-1b", 1'235'814'400},
+                                           Published{"qwen2.5-0.5b", 494'032'768},
+                                           Published{"pythia-160m", 162'322'944},
+                                           Published{"mistral-7b", 7'241'732'096},
+                                           Published{"llama-3.1-70b", 70'553'706'496}),
+                         [](const auto& info) {
+                           std::string n = info.param.preset;
+                           for (char& ch : n) if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
+TEST(ModelConfig, FamiliesReadTheirOwnFields) {
+  const auto gpt2 = load_model_config("gpt2");
+  EXPECT_EQ(gpt2.family, Family::gpt2);
+  EXPECT_TRUE(gpt2.learned_positions);
+  EXPECT_TRUE(gpt2.tie_word_embeddings);
+  EXPECT_EQ(gpt2.intermediate_size, 3072);  // n_inner null: 4 * n_embd
+  const auto neox = load_model_config("pythia-160m");
+  EXPECT_TRUE(neox.parallel_residual);
+  EXPECT_EQ(neox.rotary_dim, 16);  // 64 * 0.25
+  const auto qwen = load_model_config("qwen2.5-0.5b");
+  EXPECT_TRUE(qwen.qkv_bias);
+  EXPECT_FALSE(qwen.out_bias);
+  EXPECT_EQ(qwen.num_kv_heads, 2);
+  EXPECT_FALSE(qwen.sliding_window.has_value());  // use_sliding_window: false
+  const auto llama = load_model_config("llama-3.2-1b");
+  ASSERT_TRUE(llama.rope_scaling.has_value());
+  EXPECT_EQ(llama.rope_scaling->type, "llama3");
+  EXPECT_EQ(load_model_config("mistral-7b").sliding_window, 4096);
+}
+
+TEST(ModelConfig, OverridesApplyAndTyposAreRefused) {
+  const auto c = load_model_config("gpt2", {"n_layer=2", "n_embd=64", "n_head=4"});
+  EXPECT_EQ(c.num_layers, 2);
+  EXPECT_EQ(c.hidden_size, 64);
+  EXPECT_THAT([] { load_model_config("gpt2", {"num_hidden_layers=2"}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("has no field 'num_hidden_layers'")));
+  EXPECT_THAT([] { load_model_config("gpt2", {"n_layer"}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("expected key=value")));
+}
+
+TEST(ModelConfig, BadInputGetsOneLineErrors) {
+  using ::testing::HasSubstr;
+  using ::testing::ThrowsMessage;
+  EXPECT_THAT([] { model_config_from_json({{"model_type", "bert"}}, "x.json"); },
+              ThrowsMessage<Error>(HasSubstr("model_type 'bert' is not supported; supported: gpt2, llama")));
+  EXPECT_THAT([] { model_config_from_json({{"model_type", "llama"}, {"vocab_size", 10}}, "x.json"); },
+              ThrowsMessage<Error>(HasSubstr("missing field 'hidden_size'")));
+  EXPECT_THAT([] { load_model_config("tiny", {"hidden_size=-8"}); },
+              ThrowsMessage<Error>(HasSubstr("hidden size must be positive")));
+  EXPECT_THAT([] { load_model_config("tiny", {"num_key_value_heads=3"}); },
+              ThrowsMessage<Error>(HasSubstr("not a multiple of 3 key/value heads")));
+  EXPECT_THAT([] { load_model_config("/nonexistent/config.json"); },
+              ThrowsMessage<Error>(HasSubstr("cannot read '/nonexistent/config.json'")));
+  EXPECT_THAT([] { load_model_config("tiny", {"vocab_size=\"many\""}); },
+              ThrowsMessage<Error>(HasSubstr("'vocab_size' must be an integer")));
+}
+
+TEST(ModelConfig, PresetsIncludeTheBundledOnes) {
+  EXPECT_THAT(preset_names(), ::testing::IsSupersetOf({"tiny", "small", "gpt2", "llama-3.2-1b", "qwen2.5-0.5b",
+                                                       "pythia-160m", "mistral-7b", "llama-3.1-70b"}));
+}
+
+}  // namespace
+}  // namespace headroom

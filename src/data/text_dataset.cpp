@@ -1,0 +1,92 @@
+#include "data/text_dataset.h"
+
+#include <ATen/ATen.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "data/embedded.h"
+#include "util/error.h"
+
+namespace headroom {
+namespace {
+
+// SplitMix64: a counter-based generator; good enough to spread window offsets uniformly.
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+at::Tensor bytes_to_tokens(std::string_view text) {
+  auto t = at::empty({static_cast<int64_t>(text.size())}, at::TensorOptions().dtype(at::kLong));
+  int64_t* p = t.data_ptr<int64_t>();
+  for (size_t i = 0; i < text.size(); ++i) p[i] = static_cast<unsigned char>(text[i]);
+  return t;
+}
+
+}  // namespace
+
+TextDataset::TextDataset(std::string_view text, std::string origin, double eval_fraction, int64_t seq_len)
+    : seq_len_(seq_len), origin_(std::move(origin)) {
+  if (seq_len <= 0) fail("--seq must be positive, got {}", seq_len);
+  if (eval_fraction <= 0 || eval_fraction >= 1) fail("eval fraction must be in (0, 1), got {}", eval_fraction);
+  const auto n = static_cast<int64_t>(text.size());
+  const auto n_eval = static_cast<int64_t>(static_cast<double>(n) * eval_fraction);
+  const int64_t n_train = n - n_eval;
+  const int64_t need = seq_len + 1;
+  if (n_train < need || n_eval < need) {
+    fail("{}: {} bytes is too short for --seq {}: each of the train ({:.0f}%) and eval ({:.0f}%) splits "
+         "needs at least {} bytes",
+         origin_, n, seq_len, 100 * (1 - eval_fraction), 100 * eval_fraction, need);
+  }
+  auto all = bytes_to_tokens(text);
+  train_ = all.narrow(0, 0, n_train).clone();
+  eval_ = all.narrow(0, n_train, n_eval).clone();
+}
+
+TextDataset TextDataset::load(const std::string& path, double eval_fraction, int64_t seq_len) {
+  if (path.empty()) return TextDataset(embedded_corpus(), "bundled corpus", eval_fraction, seq_len);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("--data: cannot read '{}'; give a readable text file (UTF-8 or any bytes)", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return TextDataset(ss.str(), path, eval_fraction, seq_len);
+}
+
+Batch TextDataset::gather(const at::Tensor& split, const std::vector<int64_t>& offsets) const {
+  const auto rows = static_cast<int64_t>(offsets.size());
+  auto windows = at::empty({rows, seq_len_ + 1}, at::TensorOptions().dtype(at::kLong));
+  const int64_t* src = split.data_ptr<int64_t>();
+  int64_t* dst = windows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(src + offsets[r], seq_len_ + 1, dst + r * (seq_len_ + 1));
+  }
+  return {windows.narrow(1, 0, seq_len_), windows.narrow(1, 1, seq_len_)};
+}
+
+Batch TextDataset::train_batch(uint64_t seed, int64_t step, int64_t first_row, int64_t rows) const {
+  const auto span = static_cast<uint64_t>(train_.numel() - seq_len_);  // valid starts: [0, span)
+  std::vector<int64_t> offsets(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint64_t key = mix(mix(seed) ^ mix(static_cast<uint64_t>(step) * 0x100000001B3ull +
+                                               static_cast<uint64_t>(first_row + r)));
+    offsets[r] = static_cast<int64_t>(key % span);
+  }
+  return gather(train_, offsets);
+}
+
+std::vector<Batch> TextDataset::eval_batches(int64_t rows, int64_t max_rows) const {
+  const int64_t available = (eval_.numel() - 1) / seq_len_;
+  const int64_t total = std::min(available, max_rows);
+  std::vector<Batch> out;
+  for (int64_t first = 0; first < total; first += rows) {
+    std::vector<int64_t> offsets;
+    for (int64_t r = first; r < std::min(total, first + rows); ++r) offsets.push_back(r * seq_len_);
+    out.push_back(gather(eval_, offsets));
+  }
+  return out;
+}
+
+}  // namespace headroom

@@ -1,0 +1,28 @@
+#include "device/device.h"
+
+#include "device/cuda_adapter.h"
+#include "util/error.h"
+
+namespace headroom {
+
+c10::Device resolve_device(const std::string& name) {
+  if (name == "auto") return cuda_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  if (name == "cpu") return c10::Device(c10::kCPU);
+  if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
+    const int count = cuda_available() ? cuda_device_count() : 0;
+    if (count == 0) fail("--device {}: no CUDA device is available here; use --device cpu", name);
+    int index = 0;
+    if (name.size() > 5) {
+      try {
+        index = std::stoi(name.substr(5));
+      } catch (const std::exception&) {
+        fail("--device {}: expected cuda:N with N a device index", name);
+      }
+    }
+    if (index < 0 || index >= count) fail("--device {}: only {} CUDA device(s) here (0..{})", name, count, count - 1);
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  fail("--device '{}': accepted: auto, cpu, cuda, cuda:N", name);
+}
+
+}  // namespace headroom

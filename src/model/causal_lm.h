@@ -1,0 +1,73 @@
+// CausalLM — a decoder-only Transformer language model built from a ModelConfig.
+//
+// One class covers the five families; the config's switches (norm kind, learned vs rotary positions,
+// fused qkv, gated MLP, parallel residual, biases, tied head) select the layout, so parameter counts
+// equal Hugging Face's for the same config.json. Parameters are plain tensors with Hugging Face-like
+// names, created with the given options: on the meta device nothing is allocated (a 70B model's
+// parameters can be counted for free). Not thread-safe; one model per training run.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "model/attention.h"
+#include "model/rotary.h"
+
+namespace headroom {
+
+struct NamedTensor {
+  std::string name;
+  at::Tensor tensor;
+};
+
+struct ForwardOptions {
+  AttentionPath attention = AttentionPath::flash;
+  bool training = true;  // dropout on
+};
+
+class CausalLM {
+ public:
+  // Weights are initialised from `seed` as Hugging Face does (normal(0, initializer_range), biases
+  // zero, norm weights one; gpt2's residual projections scaled by 1/sqrt(2 * layers)) on the CPU,
+  // then moved to options.device(), so the same seed gives the same model on every device.
+  CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed);
+
+  // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
+  // dtype.
+  at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options) const;
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<NamedTensor>& parameters() const { return params_; }
+  std::vector<at::Tensor> parameter_tensors() const;
+  int64_t num_parameters() const;
+
+ private:
+  struct Layer {
+    at::Tensor norm1_w, norm1_b, norm2_w, norm2_b;
+    at::Tensor qkv_w, qkv_b;  // fused families
+    at::Tensor q_w, q_b, k_w, k_b, v_w, v_b;
+    at::Tensor o_w, o_b;
+    at::Tensor up_w, up_b, gate_w, gate_b, down_w, down_b;
+  };
+
+  at::Tensor add_param(const std::string& name, std::vector<int64_t> shape);
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
+  at::Tensor attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       const ForwardOptions& o) const;
+  at::Tensor mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o) const;
+  at::Tensor block(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                   const ForwardOptions& o) const;
+
+  ModelConfig config_;
+  at::TensorOptions options_;
+  Rotary rotary_;
+  std::vector<NamedTensor> params_;
+  at::Tensor embed_, pos_embed_, final_norm_w_, final_norm_b_, head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace headroom

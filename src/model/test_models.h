@@ -1,0 +1,41 @@
+// Shrunk variants of every supported family, for tests: same layout as the published configs
+// (biases, GQA, partial rotary, tied head, sliding window), a few hundred thousand parameters.
+#pragma once
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+
+namespace headroom::testing {
+
+struct ShrunkModel {
+  std::string label;
+  std::string preset;
+  std::vector<std::string> overrides;
+  ModelConfig load() const { return load_model_config(preset, overrides); }
+};
+
+// gtest prints parameters byte by byte unless told how.
+inline void PrintTo(const ShrunkModel& m, std::ostream* os) { *os << m.label; }
+
+inline std::vector<ShrunkModel> shrunk_models() {
+  const std::vector<std::string> llama_like = {"hidden_size=64",  "intermediate_size=128", "num_attention_heads=4",
+                                               "num_key_value_heads=2", "num_hidden_layers=2", "vocab_size=256",
+                                               "head_dim=16"};
+  auto with = [](std::vector<std::string> base, std::vector<std::string> extra) {
+    base.insert(base.end(), extra.begin(), extra.end());
+    return base;
+  };
+  return {
+      {"gpt2", "gpt2", {"n_layer=2", "n_embd=64", "n_head=4", "vocab_size=256", "n_positions=128"}},
+      {"llama", "llama-3.2-1b", llama_like},
+      {"mistral", "mistral-7b", with(llama_like, {"sliding_window=8"})},
+      {"qwen2", "qwen2.5-0.5b", llama_like},
+      {"gpt_neox", "pythia-160m",
+       {"hidden_size=64", "intermediate_size=256", "num_attention_heads=4", "num_hidden_layers=2", "vocab_size=256"}},
+  };
+}
+
+}  // namespace headroom::testing

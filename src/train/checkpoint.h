@@ -1,0 +1,40 @@
+// Checkpoints — a training run's full state in one file, written atomically.
+//
+// DIR/checkpoint.hrc holds the model's parameters, the optimizer's state tensors and a JSON footer
+// (format version, step, seed, schedule length, the model config, and per tensor its name, dtype,
+// shape, offset and a 64-bit checksum). Saving writes DIR/checkpoint.hrc.tmp, flushes it to disk and
+// renames it over the old file, so a crash mid-save leaves the previous checkpoint intact. Loading
+// refuses a truncated file, a foreign file, a checksum mismatch and a checkpoint of another model,
+// each with an Error that says which. The RNG needs no saved state: dropout is seeded from
+// (seed, step) at every step, so (seed, step) is the RNG state.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/causal_lm.h"
+
+namespace headroom {
+
+struct CheckpointInfo {
+  int64_t step = 0;         // optimizer steps completed
+  uint64_t seed = 0;
+  int64_t total_steps = 0;  // the schedule's length when saved
+  nlohmann::json model;     // the model config.json (with overrides) it was trained with
+};
+
+// The checkpoint file inside a checkpoint directory.
+std::string checkpoint_file(const std::string& dir);
+
+void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,
+                     const std::vector<NamedTensor>& optimizer);
+
+// Reads DIR's checkpoint and copies its tensors into `model` and `optimizer`, which must have the
+// same names and shapes (i.e. the same architecture and optimizer).
+CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
+                               const std::vector<NamedTensor>& optimizer);
+
+}  // namespace headroom

@@ -1,0 +1,52 @@
+#include "train/metrics_log.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <vector>
+
+#include "util/error.h"
+
+namespace headroom {
+
+MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> keep_through) : path_(path) {
+  std::vector<std::string> kept;
+  if (keep_through) {
+    std::ifstream old(path);
+    std::string line;
+    while (std::getline(old, line)) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.is_object() && j.value("step", int64_t{0}) <= *keep_through) kept.push_back(line);
+    }
+  }
+  if (keep_through) {
+    // Rewrite through a temporary file so that a crash here loses nothing.
+    const std::string tmp = path + ".tmp";
+    {
+      std::ofstream t(tmp, std::ios::trunc);
+      for (const auto& line : kept) t << line << '\n';
+      if (!t.flush()) fail("--metrics: cannot write '{}'", tmp);
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("--metrics: cannot replace '{}'", path);
+    out_.open(path, std::ios::app);
+  } else {
+    out_.open(path, std::ios::trunc);
+  }
+  if (!out_) fail("--metrics: cannot write '{}'", path);
+}
+
+void MetricsLog::write(const StepRecord& r) {
+  if (!out_.is_open()) return;
+  nlohmann::json j = {{"step", r.step},           {"loss", r.loss},
+                      {"tokens", r.tokens},       {"seconds", r.seconds},
+                      {"peak_bytes", r.peak_bytes}, {"live_bytes", r.live_bytes},
+                      {"lr", r.lr},               {"grad_norm", r.grad_norm},
+                      {"batch", r.batch},         {"accum", r.accum},
+                      {"oom_recoveries", r.oom_recoveries}};
+  if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
+  out_ << j.dump() << '\n';
+  out_.flush();
+  if (!out_) fail("--metrics: writing '{}' failed (disk full?)", path_);
+}
+
+}  // namespace headroom

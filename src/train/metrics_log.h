@@ -1,0 +1,55 @@
+// MetricsLog — the --metrics JSONL file: one JSON object per optimizer step.
+//
+// Fields of each line:
+//   step            optimizer steps completed (1-based)
+//   loss            mean training loss of the step's global batch (token-weighted over micro-batches)
+//   tokens          tokens in the step's global batch
+//   seconds         wall time of the step (data, forward, backward, optimizer)
+//   peak_bytes      peak device memory during the step: on cpu, bytes allocated through LibTorch's
+//                   CPU allocator (headroom's counting allocator); on cuda, the caching allocator's
+//                   allocated bytes (not reserved)
+//   live_bytes      device memory in use at the end of the step, same source
+//   lr, grad_norm   learning rate used, global gradient norm before clipping
+//   batch, accum    micro-batch size and micro-batches the step ran with
+//   oom_recoveries  OOMs absorbed during the step (0 until the OOM guard lands)
+//   eval_loss       held-out loss, on steps where it was evaluated
+// Each line is flushed as written, so a crash loses at most the step in flight.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <optional>
+#include <string>
+
+namespace headroom {
+
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0;
+  int64_t tokens = 0;
+  double seconds = 0;
+  int64_t peak_bytes = 0;
+  int64_t live_bytes = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  int64_t batch = 0;
+  int64_t accum = 0;
+  int64_t oom_recoveries = 0;
+  std::optional<double> eval_loss;
+};
+
+class MetricsLog {
+ public:
+  MetricsLog() = default;  // disabled: write() does nothing
+  // Opens `path` for writing. When resuming after step `keep_through`, lines of steps up to it are
+  // kept and later ones (from a run that went past its last checkpoint) are dropped.
+  MetricsLog(const std::string& path, std::optional<int64_t> keep_through);
+
+  void write(const StepRecord& record);
+
+ private:
+  std::ofstream out_;
+  std::string path_;
+};
+
+}  // namespace headroom

@@ -1,0 +1,173 @@
+#include "train/run_config.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <charconv>
+#include <cmath>
+#include <toml++/toml.h>
+
+#include "util/error.h"
+
+namespace headroom {
+namespace {
+
+int64_t parse_int(const std::string& key, const std::string& text) {
+  int64_t v = 0;
+  const auto* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (ec != std::errc() || ptr != end) fail("--{}: '{}' is not an integer", key, text);
+  return v;
+}
+
+double parse_number(const std::string& key, const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size() && std::isfinite(v)) return v;
+  } catch (const std::exception&) {
+  }
+  fail("--{}: '{}' is not a number", key, text);
+}
+
+bool parse_bool(const std::string& key, const std::string& text) {
+  if (text == "true" || text == "1") return true;
+  if (text == "false" || text == "0") return false;
+  fail("--{}: '{}' is not true or false", key, text);
+}
+
+using Kind = RunField::Kind;
+
+RunField integer(std::string key, std::string help, int64_t RunConfig::*member) {
+  return {key, Kind::integer, std::move(help),
+          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_int(key, s); }};
+}
+RunField number(std::string key, std::string help, double RunConfig::*member) {
+  return {key, Kind::number, std::move(help),
+          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_number(key, s); }};
+}
+RunField text(std::string key, std::string help, std::string RunConfig::*member) {
+  return {key, Kind::text, std::move(help), [member](RunConfig& c, const std::string& s) { c.*member = s; }};
+}
+RunField flag(std::string key, std::string help, bool RunConfig::*member) {
+  return {key, Kind::flag, std::move(help),
+          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_bool(key, s); }};
+}
+
+}  // namespace
+
+int64_t RunConfig::warmup_steps() const {
+  if (warmup >= 0) return warmup;
+  return std::max<int64_t>(1, steps / 20);
+}
+
+const std::vector<RunField>& run_fields() {
+  static const std::vector<RunField> fields = {
+      text("model", "model: a preset (tiny, small, gpt2, llama-3.2-1b, ...) or a config.json path",
+           &RunConfig::model),
+      {"set", Kind::list, "override a model config field, key=value (repeatable)",
+       [](RunConfig& c, const std::string& s) { c.overrides.push_back(s); }},
+      text("data", "training text file (default: the bundled corpus); byte-level tokens", &RunConfig::data),
+      integer("steps", "optimizer steps to train (total, counting resumed ones)", &RunConfig::steps),
+      integer("batch", "micro-batch size in sequences", &RunConfig::batch),
+      integer("accum", "micro-batches accumulated per optimizer step", &RunConfig::accum),
+      integer("seq", "sequence length in tokens", &RunConfig::seq),
+      number("lr", "peak learning rate (AdamW)", &RunConfig::lr),
+      number("min-lr-ratio", "cosine schedule ends at lr * this", &RunConfig::min_lr_ratio),
+      integer("warmup", "linear warm-up steps (default: 5% of --steps)", &RunConfig::warmup),
+      number("weight-decay", "AdamW decoupled weight decay on matrices", &RunConfig::weight_decay),
+      number("grad-clip", "clip the global gradient norm to this (0: off)", &RunConfig::grad_clip),
+      {"seed", Kind::integer, "seed for initialisation, data order and dropout",
+       [](RunConfig& c, const std::string& s) {
+         const int64_t v = parse_int("seed", s);
+         if (v < 0) fail("--seed must be non-negative, got {}", v);
+         c.seed = static_cast<uint64_t>(v);
+       }},
+      text("device", "auto (cuda when present), cpu, cuda or cuda:N", &RunConfig::device),
+      text("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)",
+           &RunConfig::attention),
+      text("metrics", "write one JSON object per optimizer step to this JSONL file", &RunConfig::metrics),
+      text("checkpoint", "save checkpoints (atomically) into this directory", &RunConfig::checkpoint),
+      integer("checkpoint-every", "also checkpoint every N steps (0: only at the end)",
+              &RunConfig::checkpoint_every),
+      integer("stop-at", "stop after this step, checkpointing first, keeping the --steps schedule "
+              "(for time-sliced jobs; continue with --resume)", &RunConfig::stop_at),
+      text("resume", "continue from the checkpoint in this directory", &RunConfig::resume),
+      integer("eval-every", "evaluate held-out loss every N steps (0: only at the end)", &RunConfig::eval_every),
+      integer("eval-rows", "held-out sequences per evaluation", &RunConfig::eval_rows),
+      flag("json", "print one JSON summary object on stdout at the end", &RunConfig::json),
+      flag("quiet", "no progress lines on stderr", &RunConfig::quiet),
+  };
+  return fields;
+}
+
+void apply_toml_file(RunConfig& config, const std::string& path) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    const auto& where = e.source().begin;
+    if (where.line == 0) fail("--config: cannot read '{}': {}", path, e.description());
+    fail("--config {}:{}:{}: {}", path, where.line, where.column, e.description());
+  }
+  std::vector<std::string> keys;
+  for (const auto& f : run_fields()) keys.push_back(f.key);
+  for (const auto& [key, node] : table) {
+    const std::string k(key.str());
+    const RunField* field = nullptr;
+    for (const auto& f : run_fields()) {
+      if (f.key == k) field = &f;
+    }
+    if (field == nullptr) fail("--config {}: unknown key '{}'; accepted: {}", path, k, fmt::join(keys, ", "));
+    auto scalar = [&](const toml::node& n) -> std::string {
+      if (auto v = n.value<int64_t>(); v && n.is_integer()) return std::to_string(*v);
+      if (auto v = n.value<double>(); v && n.is_floating_point()) return fmt::format("{}", *v);
+      if (auto v = n.value<bool>(); v && n.is_boolean()) return *v ? "true" : "false";
+      if (auto v = n.value<std::string>(); v && n.is_string()) return *v;
+      fail("--config {}: key '{}' has a value of an unsupported type", path, k);
+    };
+    if (field->kind == RunField::Kind::list) {
+      const toml::array* arr = node.as_array();
+      if (arr == nullptr) fail("--config {}: key '{}' must be an array of strings", path, k);
+      for (const auto& item : *arr) field->set(config, scalar(item));
+    } else {
+      if (field->kind == RunField::Kind::integer && !node.is_integer()) {
+        fail("--config {}: key '{}' must be an integer", path, k);
+      }
+      if (field->kind == RunField::Kind::flag && !node.is_boolean()) {
+        fail("--config {}: key '{}' must be true or false", path, k);
+      }
+      field->set(config, scalar(node));
+    }
+  }
+}
+
+void validate(const RunConfig& c) {
+  auto positive = [](const char* flag, int64_t v) {
+    if (v <= 0) fail("--{} must be positive, got {}", flag, v);
+  };
+  positive("steps", c.steps);
+  positive("batch", c.batch);
+  positive("accum", c.accum);
+  positive("seq", c.seq);
+  positive("eval-rows", c.eval_rows);
+  if (c.batch > (int64_t{1} << 20) || c.seq > (int64_t{1} << 22) || c.accum > (int64_t{1} << 20)) {
+    fail("--batch/--seq/--accum out of range (batch and accum at most 2^20, seq at most 2^22)");
+  }
+  if (!(c.lr > 0)) fail("--lr must be positive, got {}", c.lr);
+  if (c.min_lr_ratio < 0 || c.min_lr_ratio > 1) fail("--min-lr-ratio must be in [0, 1], got {}", c.min_lr_ratio);
+  if (c.warmup < -1) fail("--warmup must be non-negative, got {}", c.warmup);
+  if (c.weight_decay < 0) fail("--weight-decay must be non-negative, got {}", c.weight_decay);
+  if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
+  if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
+  if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
+  if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);
+  if (c.stop_at > 0 && c.checkpoint.empty() && c.resume.empty()) {
+    fail("--stop-at needs --checkpoint DIR (it saves the state to resume from)");
+  }
+  if (c.checkpoint_every > 0 && c.checkpoint.empty() && c.resume.empty()) {
+    fail("--checkpoint-every needs --checkpoint DIR (where to write)");
+  }
+}
+
+}  // namespace headroom

@@ -1,0 +1,64 @@
+// RunConfig — everything one `headroom train` run is told: model, data, schedule, outputs.
+//
+// Sources, in increasing precedence: the defaults below, a TOML file (--config run.toml, keys named
+// as the long flags: `steps = 200`, `set = ["num_hidden_layers=2"]`), then command-line flags. The
+// field table (run_fields) is the one list of settings; the CLI and the TOML reader both use it, so
+// a setting cannot exist in one and not the other.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace headroom {
+
+struct RunConfig {
+  std::string model = "tiny";
+  std::vector<std::string> overrides;  // --set key=value
+  std::string data;                    // empty: the bundled corpus
+  int64_t steps = 200;
+  int64_t batch = 8;  // micro-batch, sequences
+  int64_t accum = 1;  // micro-batches per optimizer step
+  int64_t seq = 128;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
+  int64_t warmup = -1;        // steps; -1: 5% of --steps (at least 1)
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;  // max global grad norm; 0 turns clipping off
+  uint64_t seed = 1234;
+  std::string device = "auto";
+  std::string attention = "flash";
+  std::string metrics;     // JSONL path
+  std::string checkpoint;  // directory
+  int64_t checkpoint_every = 0;  // steps; 0: only at the end
+  int64_t stop_at = 0;           // stop (with a checkpoint) after this step; 0: run to --steps
+  std::string resume;            // directory
+  int64_t eval_every = 0;        // steps; 0: only at the end
+  int64_t eval_rows = 64;        // held-out windows per evaluation
+  bool json = false;
+  bool quiet = false;
+
+  int64_t warmup_steps() const;
+};
+
+// One setting. kind says how its text is read; `set` parses and stores it, throwing Error with the
+// flag's name and what it accepts.
+struct RunField {
+  enum class Kind { integer, number, text, list, flag };
+  std::string key;  // flag name without dashes, and TOML key
+  Kind kind;
+  std::string help;
+  std::function<void(RunConfig&, const std::string&)> set;
+};
+
+const std::vector<RunField>& run_fields();
+
+// Applies a TOML file's settings to `config`. Throws Error on a parse error (with line and column),
+// an unknown key (listing the accepted ones) or a bad value.
+void apply_toml_file(RunConfig& config, const std::string& path);
+
+// Checks ranges and combinations after all sources are applied; throws Error naming the flag.
+void validate(const RunConfig& config);
+
+}  // namespace headroom

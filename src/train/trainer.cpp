@@ -1,0 +1,186 @@
+#include "train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "config/model_config.h"
+#include "data/text_dataset.h"
+#include "device/cuda_adapter.h"
+#include "device/device.h"
+#include "memory/memory_probe.h"
+#include "model/causal_lm.h"
+#include "optim/optimizer.h"
+#include "train/checkpoint.h"
+#include "train/lr_schedule.h"
+#include "train/metrics_log.h"
+#include "util/error.h"
+#include "util/size.h"
+
+namespace headroom {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Dropout's randomness for step `step`: a function of (seed, step) alone.
+void seed_step(uint64_t seed, int64_t step) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) + 1;
+  x = (x ^ (x >> 31)) * 0xBF58476D1CE4E5B9ull;
+  at::manual_seed(x >> 1);
+}
+
+at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}));
+}
+
+double evaluate(const CausalLM& model, const TextDataset& data, const RunConfig& cfg, const at::Device& device,
+                AttentionPath attention) {
+  c10::NoGradGuard no_grad;
+  double loss_sum = 0;
+  int64_t tokens = 0;
+  for (const Batch& b : data.eval_batches(cfg.batch, cfg.eval_rows)) {
+    auto logits = model.forward(b.inputs.to(device), {attention, /*training=*/false});
+    loss_sum += token_loss(logits, b.targets.to(device)).item<double>() * static_cast<double>(b.tokens());
+    tokens += b.tokens();
+  }
+  return loss_sum / static_cast<double>(tokens);
+}
+
+std::string format_eta(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+}  // namespace
+
+TrainSummary train(const RunConfig& cfg) {
+  validate(cfg);
+  const at::Device device = resolve_device(cfg.device);
+  const AttentionPath attention = parse_attention_path(cfg.attention);
+  auto probe = make_memory_probe(device);  // on cpu: installs the counting allocator before anything
+
+  const ModelConfig model_cfg = load_model_config(cfg.model, cfg.overrides);
+  if (model_cfg.vocab_size < kByteVocabulary) {
+    fail("{}: vocab_size {} is smaller than the byte tokenizer's {}; set --set vocab_size=256 or more",
+         model_cfg.name, model_cfg.vocab_size, kByteVocabulary);
+  }
+  if (cfg.seq > model_cfg.max_positions) {
+    fail("--seq {} exceeds {}'s max_position_embeddings {}", cfg.seq, model_cfg.name, model_cfg.max_positions);
+  }
+  const TextDataset data = TextDataset::load(cfg.data, 0.1, cfg.seq);
+
+  CausalLM model(model_cfg, at::TensorOptions().dtype(at::kFloat).device(device), cfg.seed);
+  AdamWOptions adam;
+  adam.weight_decay = cfg.weight_decay;
+  auto optimizer = make_adamw(model.parameters(), adam);
+  const LrSchedule schedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
+
+  int64_t start = 0;
+  std::optional<int64_t> resumed_at;
+  if (!cfg.resume.empty()) {
+    const CheckpointInfo info = load_checkpoint(cfg.resume, model.parameters(), optimizer->state());
+    if (info.seed != cfg.seed) {
+      fail("--resume: the checkpoint was trained with --seed {}, this run has --seed {}; pass --seed {}", info.seed,
+           cfg.seed, info.seed);
+    }
+    if (info.total_steps != cfg.steps && !cfg.quiet) {
+      fmt::print(stderr, "note: the checkpoint's schedule was {} steps, this run's is {}; the learning rate "
+                 "follows the new one\n", info.total_steps, cfg.steps);
+    }
+    start = info.step;
+    resumed_at = start;
+  }
+  const std::string checkpoint_dir = !cfg.checkpoint.empty() ? cfg.checkpoint : cfg.resume;
+  MetricsLog metrics = cfg.metrics.empty() ? MetricsLog() : MetricsLog(cfg.metrics, resumed_at);
+
+  if (!cfg.quiet) {
+    fmt::print(stderr, "headroom train: {} ({}, {:.2f}M params) on {}, {} of text; batch {} x accum {} x seq {}, "
+               "steps {}..{}\n", model_cfg.name, family_name(model_cfg.family), model.num_parameters() / 1e6,
+               device.str(), data.origin(), cfg.batch, cfg.accum, cfg.seq, start + 1, cfg.steps);
+  }
+
+  const std::vector<NamedTensor>& params = model.parameters();
+  const int64_t tokens_per_step = cfg.batch * cfg.accum * cfg.seq;
+  TrainSummary summary;
+  summary.params = model.num_parameters();
+  summary.device = device.str();
+  summary.steps = start;
+  const auto run_start = Clock::now();
+  auto last_print = Clock::now() - std::chrono::seconds(10);
+  int64_t peak = 0;
+  double train_seconds = 0;
+  std::optional<double> eval_loss;
+
+  const int64_t end = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
+  for (int64_t step = start; step < end; ++step) {
+    const auto t0 = Clock::now();
+    probe->reset_peak();
+    seed_step(cfg.seed, step);
+    const double lr = schedule.at(step);
+    double loss = 0;
+    for (int64_t m = 0; m < cfg.accum; ++m) {
+      const Batch b = data.train_batch(cfg.seed, step, m * cfg.batch, cfg.batch);
+      auto logits = model.forward(b.inputs.to(device), {attention, /*training=*/true});
+      auto micro_loss = token_loss(logits, b.targets.to(device));
+      // Token-weighted: the sum over micro-batches equals the global batch's mean loss.
+      const double weight = static_cast<double>(b.tokens()) / static_cast<double>(tokens_per_step);
+      (micro_loss * weight).backward();
+      loss += micro_loss.item<double>() * weight;
+    }
+    const double grad_norm = clip_grad_norm(params, cfg.grad_clip);
+    optimizer->step(lr);
+    zero_grad(params);
+    if (device.is_cuda()) cuda_synchronize();
+
+    StepRecord rec;
+    rec.step = step + 1;
+    rec.loss = loss;
+    rec.tokens = tokens_per_step;
+    rec.seconds = seconds_since(t0);
+    rec.peak_bytes = probe->peak_bytes();
+    rec.live_bytes = probe->live_bytes();
+    rec.lr = lr;
+    rec.grad_norm = grad_norm;
+    rec.batch = cfg.batch;
+    rec.accum = cfg.accum;
+    const bool last = step + 1 == end;
+    if (last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0)) {
+      eval_loss = evaluate(model, data, cfg, device, attention);
+      rec.eval_loss = eval_loss;
+    }
+    metrics.write(rec);
+    train_seconds += rec.seconds;
+    peak = std::max(peak, rec.peak_bytes);
+    summary.steps = step + 1;
+    summary.final_loss = loss;
+
+    if (!checkpoint_dir.empty() && (last || (cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0))) {
+      CheckpointInfo info{step + 1, cfg.seed, cfg.steps, model_cfg.source};
+      save_checkpoint(checkpoint_dir, info, params, optimizer->state());
+    }
+    if (!cfg.quiet && (last || seconds_since(last_print) >= 2.0 || step == start)) {
+      last_print = Clock::now();
+      const int64_t done = step + 1 - start;
+      const double tok_s = static_cast<double>(done * tokens_per_step) / train_seconds;
+      const double eta = train_seconds / static_cast<double>(done) * static_cast<double>(end - step - 1);
+      fmt::print(stderr, "step {:>5}/{}  loss {:.4f}{}  lr {:.2e}  {:.0f} tok/s  mem {} (peak {})  eta {}\n",
+                 step + 1, cfg.steps, loss, rec.eval_loss ? fmt::format("  eval {:.4f}", *rec.eval_loss) : "",
+                 lr, tok_s, format_bytes(rec.live_bytes), format_bytes(rec.peak_bytes), format_eta(eta));
+    }
+  }
+  summary.seconds = seconds_since(run_start);
+  summary.peak_bytes = peak;
+  const int64_t ran = summary.steps - start;
+  summary.tokens_per_s = ran > 0 ? static_cast<double>(ran * tokens_per_step) / train_seconds : 0.0;
+  if (!eval_loss) eval_loss = evaluate(model, data, cfg, device, attention);  // resumed at the end already
+  summary.eval_loss = *eval_loss;
+  return summary;
+}
+
+}  // namespace headroom

@@ -1,0 +1,30 @@
+// The training loop: one function that trains a causal LM per a RunConfig and reports the result.
+//
+// Reads top to bottom in trainer.cpp: resolve the device, build the model and optimizer, resume if
+// asked, then per step: seed dropout from (seed, step), run the micro-batches (forward, loss,
+// backward with token weights), clip, update, log, evaluate and checkpoint when due. Progress goes to
+// stderr; the metrics JSONL to --metrics. Throws Error for bad input; a c10::OutOfMemoryError
+// propagates to the caller.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "train/run_config.h"
+
+namespace headroom {
+
+struct TrainSummary {
+  int64_t params = 0;
+  int64_t steps = 0;  // total optimizer steps completed, resumed ones included
+  double final_loss = 0;
+  double eval_loss = 0;
+  double tokens_per_s = 0;  // over the steps this process ran
+  int64_t peak_bytes = 0;   // over the steps this process ran
+  double seconds = 0;
+  std::string device;
+};
+
+TrainSummary train(const RunConfig& config);
+
+}  // namespace headroom

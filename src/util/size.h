@@ -1,0 +1,18 @@
+// Byte sizes as users write them ("512MiB", "24GiB", "80GB", "1000") and as headroom prints them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace headroom {
+
+// Parses a size: a non-negative number with an optional unit B, KB, MB, GB, TB (powers of 1000) or
+// KiB, MiB, GiB, TiB (powers of 1024); case-insensitive, a space between is allowed. Throws Error
+// naming `what` (e.g. "--memory-budget") on anything else or on a size above 2^62 bytes.
+int64_t parse_size(std::string_view text, std::string_view what);
+
+// "1.50 GiB", "512.0 MiB", "17 B": binary units, three significant digits.
+std::string format_bytes(int64_t bytes);
+
+}  // namespace headroom

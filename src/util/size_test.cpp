@@ -1,0 +1,38 @@
+#include "util/size.h"
+
+#include <gtest/gtest.h>
+
+#include "util/error.h"
+
+namespace headroom {
+
+TEST(ParseSize, AcceptsDecimalAndBinaryUnits) {
+  EXPECT_EQ(parse_size("512MiB", "x"), 512LL * 1024 * 1024);
+  EXPECT_EQ(parse_size("24GiB", "x"), 24LL * 1024 * 1024 * 1024);
+  EXPECT_EQ(parse_size("80GB", "x"), 80'000'000'000LL);
+  EXPECT_EQ(parse_size("1000", "x"), 1000);
+  EXPECT_EQ(parse_size("1.5 KiB", "x"), 1536);
+  EXPECT_EQ(parse_size("2kb", "x"), 2000);
+}
+
+TEST(ParseSize, RejectsGarbageWithTheFlagName) {
+  for (const char* bad : {"", "abc", "12XB", "-5MiB", "1.2.3GB", "GiB"}) {
+    try {
+      parse_size(bad, "--memory-budget");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--memory-budget"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("MiB"), std::string::npos) << "should say what is accepted";
+    }
+  }
+  EXPECT_THROW(parse_size("99999999TiB", "x"), Error);
+}
+
+TEST(FormatBytes, UsesBinaryUnits) {
+  EXPECT_EQ(format_bytes(17), "17 B");
+  EXPECT_EQ(format_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(format_bytes(512LL * 1024 * 1024), "512 MiB");
+  EXPECT_EQ(format_bytes(-2048), "-2.00 KiB");
+}
+
+}  // namespace headroom
