@@ -107,6 +107,19 @@ TEST(Cli, JsonPrintsExactlyOneObjectAndTomlIsOverriddenByFlags) {
   EXPECT_THAT(r.err, HasSubstr("step     2/2"));  // progress goes to stderr
 }
 
+TEST(Cli, OutOfMemoryExitsWith3AndReportsInJson) {
+  const Result r = run("train --steps 2 --memory-budget 100MiB --json");
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_EQ(lines(r.out), 1u);
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["oom"]["happened"], true);
+  EXPECT_EQ(j["oom"]["step"], 1);
+  EXPECT_EQ(j["oom"]["budget_bytes"], 100 << 20);
+  EXPECT_THAT(r.err, HasSubstr("in use by category"));
+  expect_usage_error("train --memory-budget lots", "--memory-budget: 'lots' is not a size");
+  expect_usage_error("train --inject-oom 2", "expected STEP:N");
+}
+
 TEST(Cli, HelpListsTheFlagsAndExitCodes) {
   const Result top = run("--help");
   EXPECT_EQ(top.code, 0);

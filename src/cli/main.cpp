@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cli/train_command.h"
+#include "memory/oom_report.h"
 #include "util/error.h"
 
 namespace {
@@ -64,6 +65,14 @@ int main(int argc, char** argv) {
     return run ? run() : kExitUsage;
   } catch (const Error& e) {
     return report(json, kExitUsage, "error", e.what());
+  } catch (const OutOfMemory& e) {
+    fmt::print(stderr, "headroom: {}\n", e.report().to_text());
+    if (json) {
+      fmt::print("{}\n", nlohmann::json({{"error", e.report().message}, {"kind", "out of memory"},
+                                         {"exit_code", kExitOom}, {"oom", e.report().to_json()}})
+                             .dump());
+    }
+    return kExitOom;
   } catch (const c10::OutOfMemoryError& e) {
     return report(json, kExitOom, "out of memory", first_line(e.what_without_backtrace()));
   } catch (const c10::Error& e) {

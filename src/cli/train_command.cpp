@@ -67,6 +67,8 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
                                     {"seconds", s.seconds},       {"device", s.device}};
         fmt::print("{}\n", out.dump());
       } else if (!cfg.quiet) {
+        fmt::print(stderr, "\nmemory by phase, at each phase's highest peak — {}:\n{}\n", s.memory_source,
+                   s.memory_table);
         fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}\n", s.steps,
                    s.final_loss, s.eval_loss, s.tokens_per_s, format_bytes(s.peak_bytes));
       }

@@ -19,10 +19,10 @@ uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// One byte per token: the corpus stays as small in memory as on disk.
 at::Tensor bytes_to_tokens(std::string_view text) {
-  auto t = at::empty({static_cast<int64_t>(text.size())}, at::TensorOptions().dtype(at::kLong));
-  int64_t* p = t.data_ptr<int64_t>();
-  for (size_t i = 0; i < text.size(); ++i) p[i] = static_cast<unsigned char>(text[i]);
+  auto t = at::empty({static_cast<int64_t>(text.size())}, at::TensorOptions().dtype(at::kByte));
+  std::copy(text.begin(), text.end(), reinterpret_cast<char*>(t.data_ptr<uint8_t>()));
   return t;
 }
 
@@ -58,10 +58,10 @@ TextDataset TextDataset::load(const std::string& path, double eval_fraction, int
 Batch TextDataset::gather(const at::Tensor& split, const std::vector<int64_t>& offsets) const {
   const auto rows = static_cast<int64_t>(offsets.size());
   auto windows = at::empty({rows, seq_len_ + 1}, at::TensorOptions().dtype(at::kLong));
-  const int64_t* src = split.data_ptr<int64_t>();
+  const uint8_t* src = split.data_ptr<uint8_t>();
   int64_t* dst = windows.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    std::copy_n(src + offsets[r], seq_len_ + 1, dst + r * (seq_len_ + 1));
+    std::copy_n(src + offsets[r], seq_len_ + 1, dst + r * (seq_len_ + 1));  // widens to int64
   }
   return {windows.narrow(1, 0, seq_len_), windows.narrow(1, 1, seq_len_)};
 }

@@ -47,7 +47,7 @@ class TextDataset {
  private:
   Batch gather(const at::Tensor& split, const std::vector<int64_t>& offsets) const;
 
-  at::Tensor train_;  // int64 tokens
+  at::Tensor train_;  // uint8 tokens
   at::Tensor eval_;
   int64_t seq_len_;
   std::string origin_;

@@ -1,7 +1,13 @@
 #include "device/cuda_adapter.h"
 
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/cuda/memory_snapshot.h>
+
+#include "util/error.h"
 
 namespace headroom {
 
@@ -19,6 +25,12 @@ CudaMemoryStats cuda_memory_stats(int device) {
   out.peak_allocated_bytes = stats.allocated_bytes[kAll].peak;
   out.reserved_bytes = stats.reserved_bytes[kAll].current;
   out.peak_reserved_bytes = stats.reserved_bytes[kAll].peak;
+  out.active_bytes = stats.active_bytes[kAll].current;
+  out.peak_active_bytes = stats.active_bytes[kAll].peak;
+  out.inactive_split_bytes = stats.inactive_split_bytes[kAll].current;
+  out.peak_inactive_split_bytes = stats.inactive_split_bytes[kAll].peak;
+  out.requested_bytes = stats.requested_bytes[kAll].current;
+  out.peak_requested_bytes = stats.requested_bytes[kAll].peak;
   out.alloc_retries = stats.num_alloc_retries;
   out.ooms = stats.num_ooms;
   return out;
@@ -27,5 +39,31 @@ CudaMemoryStats cuda_memory_stats(int device) {
 void cuda_reset_peak_stats(int device) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
 }
+
+CudaDeviceMemory cuda_device_memory(int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  size_t free = 0, total = 0;
+  const cudaError_t rc = cudaMemGetInfo(&free, &total);
+  if (rc != cudaSuccess) fail("cudaMemGetInfo failed: {}", cudaGetErrorString(rc));
+  return {static_cast<int64_t>(free), static_cast<int64_t>(total)};
+}
+
+void cuda_set_memory_fraction(int device, double fraction) {
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, static_cast<c10::DeviceIndex>(device));
+}
+
+void cuda_set_allocator_settings(const std::string& settings) { c10::CachingAllocator::setAllocatorSettings(settings); }
+
+void cuda_empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
+void cuda_record_memory_history(bool enabled) {
+  if (enabled) {
+    torch::cuda::_record_memory_history(std::string("all"), std::string("all"), "all", 100000);
+  } else {
+    torch::cuda::_record_memory_history(std::nullopt);
+  }
+}
+
+std::string cuda_memory_snapshot_pickle() { return torch::cuda::_memory_snapshot_pickled(); }
 
 }  // namespace headroom

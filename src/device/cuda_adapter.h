@@ -1,11 +1,12 @@
 // The one adapter over PyTorch's CUDA runtime and semi-private caching-allocator API.
 //
 // Everything headroom asks of CUDA goes through here, so a PyTorch upgrade touches this file only.
-// Compiled on every build (the CUDA toolkit is present even where no GPU is); every function is
-// safe to call without a GPU: availability reports false and the rest are only called after it.
+// Compiled on every build (the CUDA toolkit is present even where no GPU is). cuda_available() is
+// safe without a GPU; every other function may only be called after it returned true.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace headroom {
 
@@ -13,16 +14,37 @@ bool cuda_available();
 int cuda_device_count();
 void cuda_synchronize();
 
+// Caching-allocator statistics of one device (all pools), current and peak since the last reset.
 struct CudaMemoryStats {
-  int64_t allocated_bytes = 0;
-  int64_t peak_allocated_bytes = 0;
-  int64_t reserved_bytes = 0;
-  int64_t peak_reserved_bytes = 0;
-  int64_t alloc_retries = 0;
+  int64_t allocated_bytes = 0, peak_allocated_bytes = 0;
+  int64_t reserved_bytes = 0, peak_reserved_bytes = 0;
+  int64_t active_bytes = 0, peak_active_bytes = 0;
+  int64_t inactive_split_bytes = 0, peak_inactive_split_bytes = 0;
+  int64_t requested_bytes = 0, peak_requested_bytes = 0;
+  int64_t alloc_retries = 0;  // cudaMalloc failures that forced a cache flush
   int64_t ooms = 0;
 };
 
 CudaMemoryStats cuda_memory_stats(int device);
 void cuda_reset_peak_stats(int device);
+
+// Device memory as the driver sees it (cudaMemGetInfo).
+struct CudaDeviceMemory {
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+};
+CudaDeviceMemory cuda_device_memory(int device);
+
+// Caps what the caching allocator may reserve to `fraction` of the card (emulates a smaller one).
+void cuda_set_memory_fraction(int device, double fraction);
+// Applies PYTORCH_CUDA_ALLOC_CONF-style settings, e.g. "expandable_segments:True".
+void cuda_set_allocator_settings(const std::string& settings);
+// Returns cached, unused blocks to the driver.
+void cuda_empty_cache();
+
+// PyTorch's memory snapshot (the pickle pytorch.org/memory_viz opens): start recording allocation
+// history with stack traces, then take the snapshot.
+void cuda_record_memory_history(bool enabled);
+std::string cuda_memory_snapshot_pickle();
 
 }  // namespace headroom

@@ -2,7 +2,10 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
+#include <execinfo.h>
 #include <fmt/format.h>
+
+#include <bit>
 
 #include "util/size.h"
 
@@ -12,6 +15,10 @@ BudgetAllocator* g_instance = nullptr;
 std::once_flag g_install_once;
 // Above the default CPU allocator's registration priority, so SetCPUAllocator takes it.
 constexpr uint8_t kPriority = 200;
+
+size_t size_class(int64_t bytes) {
+  return std::min<size_t>(47, static_cast<size_t>(std::bit_width(static_cast<uint64_t>(bytes - 1))));
+}
 }  // namespace
 
 BudgetAllocator& BudgetAllocator::install() {
@@ -24,6 +31,11 @@ BudgetAllocator& BudgetAllocator::install() {
   return *g_instance;
 }
 
+void BudgetAllocator::reset_peak() {
+  peak_.store(live_bytes(), std::memory_order_relaxed);
+  peak_seq_.store(allocation_count(), std::memory_order_relaxed);
+}
+
 void BudgetAllocator::set_budget(std::optional<int64_t> bytes) { budget_.store(bytes ? *bytes : -1); }
 
 std::optional<int64_t> BudgetAllocator::budget() const {
@@ -31,51 +43,135 @@ std::optional<int64_t> BudgetAllocator::budget() const {
   return b < 0 ? std::nullopt : std::optional<int64_t>(b);
 }
 
-c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
-  const auto n = static_cast<int64_t>(bytes);
-  const int64_t cap = budget_.load(std::memory_order_relaxed);
-  if (cap >= 0 && live_bytes() + n > cap) {
-    const int64_t live = live_bytes();
-    C10_THROW_ERROR(OutOfMemoryError,
-                    fmt::format("CPU out of memory (headroom budget). Tried to allocate {}. Budget {}; {} "
-                                "in use; {} free.",
-                                format_bytes(n), format_bytes(cap), format_bytes(live),
-                                format_bytes(std::max<int64_t>(0, cap - live))));
+void BudgetAllocator::set_context(int64_t step, Phase phase) {
+  step_.store(step, std::memory_order_relaxed);
+  phase_.store(static_cast<uint8_t>(phase), std::memory_order_relaxed);
+}
+
+void BudgetAllocator::fail_nth_allocation(int64_t n) {
+  TORCH_CHECK(n >= 1, "fail_nth_allocation: n must be >= 1");
+  fail_above_.store(-1);
+  fail_countdown_.store(n);
+}
+
+void BudgetAllocator::fail_allocation_above(int64_t bytes) {
+  fail_countdown_.store(0);
+  fail_above_.store(bytes);
+}
+
+void BudgetAllocator::disarm() {
+  fail_countdown_.store(0);
+  fail_above_.store(-1);
+}
+
+void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool injected) {
+  OomEvent e;
+  e.requested = bytes;
+  e.live = live;
+  e.budget = cap;
+  e.step = step_.load();
+  e.phase = static_cast<Phase>(phase_.load());
+  e.sequence = allocation_count();
+  e.injected = injected;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last_oom_ = e;
   }
+  const std::string where = e.step >= 0 ? fmt::format(" during {} of step {}", phase_name(e.phase), e.step + 1) : "";
+  if (injected) {
+    C10_THROW_ERROR(OutOfMemoryError, fmt::format("CPU out of memory (injected fault){}. Tried to allocate {}; {} in use.",
+                                                  where, format_bytes(bytes), format_bytes(live)));
+  }
+  C10_THROW_ERROR(OutOfMemoryError,
+                  fmt::format("CPU out of memory (headroom budget){}. Tried to allocate {}. Budget {}; {} in use; "
+                              "{} free.",
+                              where, format_bytes(bytes), format_bytes(cap), format_bytes(live),
+                              format_bytes(std::max<int64_t>(0, cap - live))));
+}
+
+c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
+  if (!accounting_.load(std::memory_order_relaxed)) return inner_->allocate(bytes);
+  const auto n = static_cast<int64_t>(bytes);
+  if (fail_countdown_.load(std::memory_order_relaxed) > 0 && fail_countdown_.fetch_sub(1) == 1) {
+    refuse(n, live_bytes(), budget_.load(), /*injected=*/true);
+  }
+  const int64_t above = fail_above_.load(std::memory_order_relaxed);
+  if (above >= 0 && n > above) {
+    fail_above_.store(-1);
+    refuse(n, live_bytes(), budget_.load(), /*injected=*/true);
+  }
+  const int64_t cap = budget_.load(std::memory_order_relaxed);
+  if (cap >= 0 && live_bytes() + n > cap) refuse(n, live_bytes(), cap, /*injected=*/false);
+
   c10::DataPtr inner = inner_->allocate(bytes);
   void* ptr = inner.get();
   if (ptr == nullptr) return inner;  // zero-byte allocations carry no memory
   TORCH_CHECK(inner.get_context() == ptr, "BudgetAllocator: the wrapped CPU allocator uses contexts");
+  AllocationRecord rec;
+  rec.bytes = n;
+  rec.step = step_.load(std::memory_order_relaxed);
+  rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
+  if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (inner_deleter_ == nullptr) inner_deleter_ = inner.get_deleter();
     TORCH_CHECK(inner.get_deleter() == inner_deleter_, "BudgetAllocator: the wrapped allocator's deleter varies");
-    sizes_.emplace(ptr, bytes);
+    rec.sequence = count_.fetch_add(1, std::memory_order_relaxed) + 1;
+    records_.emplace(ptr, rec);
+    ++histogram_[size_class(n)];
   }
   inner.release_context();
   const int64_t live = live_.fetch_add(n, std::memory_order_relaxed) + n;
   int64_t peak = peak_.load(std::memory_order_relaxed);
-  while (live > peak && !peak_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
+  while (live > peak) {
+    if (peak_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
+      peak_seq_.store(rec.sequence, std::memory_order_relaxed);
+      break;
+    }
   }
-  allocations_.fetch_add(1, std::memory_order_relaxed);
   return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
 }
 
 void BudgetAllocator::release(void* ptr) { g_instance->on_free(ptr); }
 
 void BudgetAllocator::on_free(void* ptr) {
-  size_t bytes = 0;
+  int64_t bytes = 0;
   c10::DeleterFnPtr deleter = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = sizes_.find(ptr);
-    TORCH_CHECK(it != sizes_.end(), "BudgetAllocator: freeing a pointer it did not allocate");
-    bytes = it->second;
-    sizes_.erase(it);
+    auto it = records_.find(ptr);
+    TORCH_CHECK(it != records_.end(), "BudgetAllocator: freeing a pointer it did not allocate");
+    bytes = it->second.bytes;
+    records_.erase(it);
     deleter = inner_deleter_;
   }
-  live_.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  live_.fetch_sub(bytes, std::memory_order_relaxed);
   deleter(ptr);
+}
+
+std::optional<AllocationRecord> BudgetAllocator::record_of(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = records_.find(ptr);
+  if (it == records_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<LiveAllocation> BudgetAllocator::live_allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<LiveAllocation> out;
+  out.reserve(records_.size());
+  for (const auto& [ptr, rec] : records_) out.push_back({ptr, rec});
+  return out;
+}
+
+std::optional<OomEvent> BudgetAllocator::last_oom() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_oom_;
+}
+
+std::array<int64_t, 48> BudgetAllocator::size_histogram() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return histogram_;
 }
 
 }  // namespace headroom

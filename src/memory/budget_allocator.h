@@ -2,21 +2,61 @@
 //
 // Installed once per process as the CPU allocator (c10::SetCPUAllocator), it wraps the allocator it
 // replaces: every CPU tensor allocation passes through it, so live and peak bytes are exact for
-// everything that allocates through c10 (not: memory oneDNN or BLAS take with malloc internally).
+// everything that allocates through c10. Known gaps (tested in budget_allocator_test.cpp): memory
+// that oneDNN or a BLAS takes with malloc internally, TensorImpl and other metadata objects, and
+// tensors wrapping foreign memory (at::from_blob) are not counted.
+//
 // With a budget it behaves like a device of that size: an allocation that would take live bytes
-// past the budget throws c10::OutOfMemoryError with a message in the style of CUDA's, and nothing
-// is allocated. Counters are atomic; allocate and free may be called from any thread.
+// past the budget throws c10::OutOfMemoryError with a message in the style of CUDA's, naming the
+// step and phase, and nothing is allocated. Fault injection fails the N-th allocation after arming,
+// or the first one above a size, the same way — deterministic, for tests of OOM handling.
+//
+// Each live allocation has a record: size, a sequence number (the allocation count when it was
+// made), the step and phase it was made in, and, when enabled, a short native backtrace. Counters
+// are atomic, records sit behind a mutex; allocate and free may be called from any thread. The
+// context (step, phase) is process-wide: one training loop at a time.
 #pragma once
 
 #include <c10/core/Allocator.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <vector>
+
+#include "memory/phase.h"
 
 namespace headroom {
+
+inline constexpr int kMaxFrames = 12;
+
+struct AllocationRecord {
+  int64_t bytes = 0;
+  uint64_t sequence = 0;
+  int64_t step = -1;
+  Phase phase = Phase::idle;
+  int frames = 0;  // entries of `stack` in use (0 unless backtraces are on)
+  std::array<void*, kMaxFrames> stack{};
+};
+
+struct LiveAllocation {
+  const void* ptr = nullptr;
+  AllocationRecord record;
+};
+
+// The allocation that failed: real (over budget) or injected.
+struct OomEvent {
+  int64_t requested = 0;
+  int64_t live = 0;    // bytes in use when it failed
+  int64_t budget = -1; // -1: none
+  int64_t step = -1;
+  Phase phase = Phase::idle;
+  uint64_t sequence = 0;  // allocations made before it
+  bool injected = false;
+};
 
 class BudgetAllocator final : public c10::Allocator {
  public:
@@ -32,27 +72,61 @@ class BudgetAllocator final : public c10::Allocator {
 
   int64_t live_bytes() const { return live_.load(std::memory_order_relaxed); }
   int64_t peak_bytes() const { return peak_.load(std::memory_order_relaxed); }
-  int64_t allocation_count() const { return allocations_.load(std::memory_order_relaxed); }
+  // Allocations made so far; also the sequence number of the latest.
+  uint64_t allocation_count() const { return count_.load(std::memory_order_relaxed); }
+  // The sequence number of the allocation that reached the current peak.
+  uint64_t peak_sequence() const { return peak_seq_.load(std::memory_order_relaxed); }
   // Peak restarts from the current live bytes.
-  void reset_peak() { peak_.store(live_bytes(), std::memory_order_relaxed); }
+  void reset_peak();
 
   // nullopt: unlimited. A budget below the current live bytes only refuses new allocations.
   void set_budget(std::optional<int64_t> bytes);
   std::optional<int64_t> budget() const;
 
+  // Tags later allocations (records, OOM messages).
+  void set_context(int64_t step, Phase phase);
+
+  // Fault injection, one-shot: the n-th allocation from now (n >= 1) fails, or the first larger
+  // than `bytes`. Arming one disarms the other.
+  void fail_nth_allocation(int64_t n);
+  void fail_allocation_above(int64_t bytes);
+  void disarm();
+
+  // Accounting off: allocations pass straight to the wrapped allocator, uncounted and unrecorded
+  // (for measuring the accounting's own cost). Budget and injection need it on.
+  void set_accounting(bool on) { accounting_.store(on); }
+  // Record a native backtrace with each allocation (costs a few microseconds each).
+  void set_backtraces(bool on) { backtraces_.store(on); }
+
+  std::optional<AllocationRecord> record_of(const void* ptr) const;
+  std::vector<LiveAllocation> live_allocations() const;
+  std::optional<OomEvent> last_oom() const;
+  // Allocation counts by size class: entry k counts sizes in (2^(k-1), 2^k].
+  std::array<int64_t, 48> size_histogram() const;
+
  private:
   explicit BudgetAllocator(c10::Allocator* inner) : inner_(inner) {}
   static void release(void* ptr);
   void on_free(void* ptr);
+  [[noreturn]] void refuse(int64_t bytes, int64_t live, int64_t cap, bool injected);
 
   c10::Allocator* inner_;
   c10::DeleterFnPtr inner_deleter_ = nullptr;
-  std::mutex mutex_;
-  std::unordered_map<void*, size_t> sizes_;  // live allocations
+  mutable std::mutex mutex_;
+  std::unordered_map<const void*, AllocationRecord> records_;  // live allocations
+  std::array<int64_t, 48> histogram_{};
+  std::optional<OomEvent> last_oom_;
   std::atomic<int64_t> live_{0};
   std::atomic<int64_t> peak_{0};
-  std::atomic<int64_t> allocations_{0};
+  std::atomic<uint64_t> count_{0};
+  std::atomic<uint64_t> peak_seq_{0};
   std::atomic<int64_t> budget_{-1};
+  std::atomic<int64_t> step_{-1};
+  std::atomic<uint8_t> phase_{0};
+  std::atomic<int64_t> fail_countdown_{0};  // > 0: armed
+  std::atomic<int64_t> fail_above_{-1};     // >= 0: armed
+  std::atomic<bool> accounting_{true};
+  std::atomic<bool> backtraces_{false};
 };
 
 }  // namespace headroom

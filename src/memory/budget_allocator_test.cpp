@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <malloc.h>
+
+#include <algorithm>
 
 namespace headroom {
 namespace {
@@ -39,6 +42,95 @@ TEST(BudgetAllocator, RefusesAnAllocationPastTheBudget) {
   a.set_budget(std::nullopt);
   auto now_ok = at::empty({100'000}, at::kFloat);
   EXPECT_EQ(a.live_bytes() - before, 1'200'000);
+}
+
+TEST(BudgetAllocator, FaultInjectionFailsTheNthAllocationOnce) {
+  auto& a = BudgetAllocator::install();
+  for (int round = 0; round < 2; ++round) {  // the same arming gives the same failure
+    a.fail_nth_allocation(3);
+    auto t1 = at::empty({10}, at::kFloat);
+    auto t2 = at::empty({20}, at::kFloat);
+    try {
+      auto t3 = at::empty({30}, at::kFloat);
+      ADD_FAILURE() << "the third allocation did not fail";
+    } catch (const c10::OutOfMemoryError& e) {
+      EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("injected fault"));
+      ASSERT_TRUE(a.last_oom().has_value());
+      EXPECT_TRUE(a.last_oom()->injected);
+      EXPECT_EQ(a.last_oom()->requested, 120);
+    }
+    auto t4 = at::empty({30}, at::kFloat);  // one-shot: disarmed after firing
+  }
+}
+
+TEST(BudgetAllocator, FaultInjectionBySize) {
+  auto& a = BudgetAllocator::install();
+  a.fail_allocation_above(1000);
+  auto small = at::empty({250}, at::kFloat);  // exactly 1000 bytes: not above
+  EXPECT_THROW(at::empty({251}, at::kFloat), c10::OutOfMemoryError);
+  auto after = at::empty({251}, at::kFloat);
+}
+
+TEST(BudgetAllocator, RecordsTagStepPhaseAndSizeClass) {
+  auto& a = BudgetAllocator::install();
+  const auto before = a.size_histogram();
+  a.set_context(6, Phase::backward);
+  auto t = at::empty({3000}, at::kByte);  // 3000 bytes: size class (2048, 4096] = entry 12
+  a.set_context(-1, Phase::idle);
+  auto rec = a.record_of(t.data_ptr());
+  ASSERT_TRUE(rec.has_value());
+  EXPECT_EQ(rec->bytes, 3000);
+  EXPECT_EQ(rec->step, 6);
+  EXPECT_EQ(rec->phase, Phase::backward);
+  EXPECT_EQ(rec->frames, 0);  // backtraces off by default
+  EXPECT_EQ(a.size_histogram()[12] - before[12], 1);
+  const auto live = a.live_allocations();
+  EXPECT_TRUE(std::any_of(live.begin(), live.end(), [&](const LiveAllocation& l) { return l.ptr == t.data_ptr(); }));
+  try {
+    a.set_budget(a.live_bytes());
+    a.set_context(2, Phase::forward);
+    auto no = at::empty({10}, at::kFloat);
+  } catch (const c10::OutOfMemoryError& e) {
+    EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("during forward of step 3"));
+  }
+  a.set_budget(std::nullopt);
+  a.set_context(-1, Phase::idle);
+}
+
+TEST(BudgetAllocator, BacktracesWhenAsked) {
+  auto& a = BudgetAllocator::install();
+  a.set_backtraces(true);
+  auto t = at::empty({16}, at::kFloat);
+  a.set_backtraces(false);
+  EXPECT_GT(a.record_of(t.data_ptr())->frames, 3);
+}
+
+TEST(BudgetAllocator, AccountingOffPassesThrough) {
+  auto& a = BudgetAllocator::install();
+  const int64_t before = a.live_bytes();
+  a.set_accounting(false);
+  auto t = at::empty({1000}, at::kFloat);
+  a.set_accounting(true);
+  EXPECT_EQ(a.live_bytes(), before);
+  EXPECT_FALSE(a.record_of(t.data_ptr()).has_value());
+}
+
+// The gaps: memory that does not pass through LibTorch's CPU allocator is not counted.
+TEST(BudgetAllocatorGaps, ForeignMemoryAndMetadataAreNotCounted) {
+  auto& a = BudgetAllocator::install();
+  const int64_t before = a.live_bytes();
+  std::vector<float> foreign(100000);
+  auto wrapped = at::from_blob(foreign.data(), {100000}, at::kFloat);  // 400 KB the caller owns
+  EXPECT_EQ(a.live_bytes(), before);
+  // Tensor metadata (TensorImpl, sizes, strides) lives on the C++ heap: glibc sees it, we do not.
+  auto base = at::empty({4}, at::kFloat);
+  const int64_t counted = a.live_bytes();
+  const auto heap_before = ::mallinfo2();
+  std::vector<at::Tensor> views;
+  for (int i = 0; i < 10000; ++i) views.push_back(base.view({2, 2}));
+  const auto heap_after = ::mallinfo2();
+  EXPECT_EQ(a.live_bytes(), counted);
+  EXPECT_GT(heap_after.uordblks - heap_before.uordblks, 10000u * 100);  // > 100 bytes a view
 }
 
 }  // namespace

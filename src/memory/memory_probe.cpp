@@ -1,20 +1,31 @@
 #include "memory/memory_probe.h"
 
 #include "device/cuda_adapter.h"
-#include "memory/budget_allocator.h"
+#include "util/error.h"
+#include "util/size.h"
 
 namespace headroom {
 namespace {
 
 class CpuProbe final : public MemoryProbe {
  public:
-  CpuProbe() : allocator_(BudgetAllocator::install()) {}
-  int64_t live_bytes() const override { return allocator_.live_bytes(); }
-  int64_t peak_bytes() const override { return allocator_.peak_bytes(); }
-  void reset_peak() override { allocator_.reset_peak(); }
+  CpuProbe() : a_(BudgetAllocator::install()) {}
+  int64_t live_bytes() const override { return a_.live_bytes(); }
+  int64_t peak_bytes() const override { return a_.peak_bytes(); }
+  void reset_peak() override { a_.reset_peak(); }
+  void set_context(int64_t step, Phase phase) override { a_.set_context(step, phase); }
+  std::optional<uint64_t> peak_sequence() const override { return a_.peak_sequence(); }
+  std::optional<uint64_t> sequence_of(const void* ptr) const override {
+    auto r = a_.record_of(ptr);
+    return r ? std::optional<uint64_t>(r->sequence) : std::nullopt;
+  }
+  std::optional<OomEvent> last_oom() const override { return a_.last_oom(); }
+  void set_budget(std::optional<int64_t> bytes) override { a_.set_budget(bytes); }
+  std::optional<int64_t> budget() const override { return a_.budget(); }
+  std::string source() const override { return "cpu (headroom counting allocator)"; }
 
  private:
-  BudgetAllocator& allocator_;
+  BudgetAllocator& a_;
 };
 
 class CudaProbe final : public MemoryProbe {
@@ -23,9 +34,20 @@ class CudaProbe final : public MemoryProbe {
   int64_t live_bytes() const override { return cuda_memory_stats(index_).allocated_bytes; }
   int64_t peak_bytes() const override { return cuda_memory_stats(index_).peak_allocated_bytes; }
   void reset_peak() override { cuda_reset_peak_stats(index_); }
+  void set_budget(std::optional<int64_t> bytes) override {
+    const int64_t total = cuda_device_memory(index_).total_bytes;
+    if (bytes && *bytes > total) {
+      fail("--memory-budget {} is larger than cuda:{}'s {}", format_bytes(*bytes), index_, format_bytes(total));
+    }
+    budget_ = bytes;
+    cuda_set_memory_fraction(index_, bytes ? static_cast<double>(*bytes) / static_cast<double>(total) : 1.0);
+  }
+  std::optional<int64_t> budget() const override { return budget_; }
+  std::string source() const override { return fmt::format("cuda:{} (caching allocator, allocated bytes)", index_); }
 
  private:
   int index_;
+  std::optional<int64_t> budget_;
 };
 
 }  // namespace

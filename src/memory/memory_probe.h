@@ -1,13 +1,19 @@
 // MemoryProbe — live and peak bytes of the device a run trains on, behind one interface.
 //
-// cpu: the BudgetAllocator's exact counts (installed by make_memory_probe). cuda: the caching
-// allocator's allocated bytes (device/cuda_adapter.h). Peaks are since the last reset_peak().
+// cpu: the BudgetAllocator's exact counts (installed by make_memory_probe), with per-allocation
+// records. cuda: the caching allocator's allocated bytes (device/cuda_adapter.h); no records.
+// Peaks are since the last reset_peak().
 #pragma once
 
 #include <c10/core/Device.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
+
+#include "memory/budget_allocator.h"
+#include "memory/phase.h"
 
 namespace headroom {
 
@@ -17,6 +23,22 @@ class MemoryProbe {
   virtual int64_t live_bytes() const = 0;
   virtual int64_t peak_bytes() const = 0;
   virtual void reset_peak() = 0;
+
+  // Tags allocations with the step and phase they are made in (cpu only).
+  virtual void set_context(int64_t /*step*/, Phase /*phase*/) {}
+  // Sequence number of the allocation that set the current peak, and of the allocation holding
+  // `ptr`; nullopt where the backend keeps no per-allocation records (cuda).
+  virtual std::optional<uint64_t> peak_sequence() const { return std::nullopt; }
+  virtual std::optional<uint64_t> sequence_of(const void* /*ptr*/) const { return std::nullopt; }
+  // The last refused allocation, where the backend knows it (cpu).
+  virtual std::optional<OomEvent> last_oom() const { return std::nullopt; }
+
+  // Caps the device at `bytes` (cpu: a simulated device; cuda: a memory fraction of the card).
+  virtual void set_budget(std::optional<int64_t> bytes) = 0;
+  virtual std::optional<int64_t> budget() const = 0;
+
+  // What the figures are, for reports: "cpu (counting allocator)", "cuda:0 (caching allocator)".
+  virtual std::string source() const = 0;
 };
 
 std::unique_ptr<MemoryProbe> make_memory_probe(const c10::Device& device);

@@ -43,6 +43,8 @@ void MetricsLog::write(const StepRecord& r) {
                       {"lr", r.lr},               {"grad_norm", r.grad_norm},
                       {"batch", r.batch},         {"accum", r.accum},
                       {"oom_recoveries", r.oom_recoveries}};
+  if (!r.peak_phase.empty()) j["peak_phase"] = r.peak_phase;
+  if (!r.phases.is_null()) j["phases"] = r.phases;
   if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
   out_ << j.dump() << '\n';
   out_.flush();

@@ -12,12 +12,18 @@
 //   lr, grad_norm   learning rate used, global gradient norm before clipping
 //   batch, accum    micro-batch size and micro-batches the step ran with
 //   oom_recoveries  OOMs absorbed during the step (0 until the OOM guard lands)
+//   peak_phase      the phase that held the step's peak (data, forward, backward, optimizer, zero_grad)
+//   phases          per phase: live_in and live_out (bytes at entry and exit), peak (inside), and
+//                   breakdown: the peak by category — weights, gradients, optimizer, activations
+//                   (and temporaries), other (live before the step and none of those)
 //   eval_loss       held-out loss, on steps where it was evaluated
 // Each line is flushed as written, so a crash loses at most the step in flight.
 #pragma once
 
 #include <cstdint>
 #include <fstream>
+
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -35,6 +41,8 @@ struct StepRecord {
   int64_t batch = 0;
   int64_t accum = 0;
   int64_t oom_recoveries = 0;
+  std::string peak_phase;
+  nlohmann::json phases;  // StepMemory::to_json()
   std::optional<double> eval_loss;
 };
 

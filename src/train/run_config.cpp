@@ -8,6 +8,7 @@
 #include <toml++/toml.h>
 
 #include "util/error.h"
+#include "util/size.h"
 
 namespace headroom {
 namespace {
@@ -86,6 +87,14 @@ const std::vector<RunField>& run_fields() {
       text("device", "auto (cuda when present), cpu, cuda or cuda:N", &RunConfig::device),
       text("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)",
            &RunConfig::attention),
+      text("memory-budget",
+           "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
+           "below the card", &RunConfig::memory_budget),
+      text("memory-snapshot", "cuda: write PyTorch's memory snapshot (open in pytorch.org/memory_viz) to FILE",
+           &RunConfig::memory_snapshot),
+      text("inject-oom",
+           "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
+           "STEP:above:SIZE (its first allocation larger than SIZE)", &RunConfig::inject_oom),
       text("metrics", "write one JSON object per optimizer step to this JSONL file", &RunConfig::metrics),
       text("checkpoint", "save checkpoints (atomically) into this directory", &RunConfig::checkpoint),
       integer("checkpoint-every", "also checkpoint every N steps (0: only at the end)",
@@ -142,6 +151,38 @@ void apply_toml_file(RunConfig& config, const std::string& path) {
   }
 }
 
+std::optional<int64_t> RunConfig::budget_bytes() const {
+  if (memory_budget.empty()) return std::nullopt;
+  const int64_t b = parse_size(memory_budget, "--memory-budget");
+  if (b <= 0) fail("--memory-budget must be positive, got {}", memory_budget);
+  return b;
+}
+
+std::optional<RunConfig::OomInjection> RunConfig::oom_injection() const {
+  if (inject_oom.empty()) return std::nullopt;
+  auto bad = [&]() -> std::optional<OomInjection> {
+    fail("--inject-oom '{}': expected STEP:N (fail the N-th allocation of step STEP) or STEP:above:SIZE, e.g. "
+         "2:150 or 3:above:1MiB", inject_oom);
+  };
+  const auto colon = inject_oom.find(':');
+  if (colon == std::string::npos) return bad();
+  OomInjection o;
+  try {
+    o.step = parse_int("inject-oom", inject_oom.substr(0, colon));
+    const std::string what = inject_oom.substr(colon + 1);
+    if (what.rfind("above:", 0) == 0) {
+      o.above_bytes = parse_size(what.substr(6), "--inject-oom");
+    } else {
+      o.nth = parse_int("inject-oom", what);
+      if (o.nth <= 0) return bad();
+    }
+  } catch (const Error&) {
+    return bad();
+  }
+  if (o.step <= 0) return bad();
+  return o;
+}
+
 void validate(const RunConfig& c) {
   auto positive = [](const char* flag, int64_t v) {
     if (v <= 0) fail("--{} must be positive, got {}", flag, v);
@@ -161,6 +202,8 @@ void validate(const RunConfig& c) {
   if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
+  c.budget_bytes();  // these parse, or throw naming the flag
+  c.oom_injection();
   if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);
   if (c.stop_at > 0 && c.checkpoint.empty() && c.resume.empty()) {
     fail("--stop-at needs --checkpoint DIR (it saves the state to resume from)");

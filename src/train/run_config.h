@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,9 @@ struct RunConfig {
   uint64_t seed = 1234;
   std::string device = "auto";
   std::string attention = "flash";
+  std::string memory_budget;    // size text; empty: none. cpu: a simulated device; cuda: a cap
+  std::string memory_snapshot;  // cuda: write PyTorch's memory snapshot pickle here at the end
+  std::string inject_oom;       // cpu fault injection: "STEP:N" (N-th allocation) or "STEP:above:SIZE"
   std::string metrics;     // JSONL path
   std::string checkpoint;  // directory
   int64_t checkpoint_every = 0;  // steps; 0: only at the end
@@ -40,6 +44,14 @@ struct RunConfig {
   bool quiet = false;
 
   int64_t warmup_steps() const;
+  std::optional<int64_t> budget_bytes() const;  // parsed memory_budget
+
+  struct OomInjection {
+    int64_t step = 0;          // 1-based optimizer step
+    int64_t nth = 0;           // > 0: fail the n-th allocation of that step
+    int64_t above_bytes = -1;  // >= 0: fail its first allocation larger than this
+  };
+  std::optional<OomInjection> oom_injection() const;  // parsed inject_oom
 };
 
 // One setting. kind says how its text is read; `set` parses and stores it, throwing Error with the

@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
@@ -11,7 +12,10 @@
 #include "data/text_dataset.h"
 #include "device/cuda_adapter.h"
 #include "device/device.h"
+#include "memory/budget_allocator.h"
+#include "memory/memory_monitor.h"
 #include "memory/memory_probe.h"
+#include "memory/oom_report.h"
 #include "model/causal_lm.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
@@ -51,6 +55,50 @@ double evaluate(const CausalLM& model, const TextDataset& data, const RunConfig&
   return loss_sum / static_cast<double>(tokens);
 }
 
+// After an OOM inside a step: what was in use and of what it consisted, then release everything the
+// failed step held (its activations are already gone with the unwound stack; its gradients are not).
+OomReport diagnose_oom(const c10::OutOfMemoryError& e, const MemoryProbe& probe, MemoryMonitor& monitor,
+                       const std::vector<NamedTensor>& params) {
+  OomReport r;
+  r.step = monitor.current_step() + 1;
+  r.phase = monitor.current_phase();
+  const std::string what = e.what_without_backtrace();
+  r.message = what.substr(0, what.find('\n'));
+  r.budget = probe.budget().value_or(-1);
+  r.live_before_step = monitor.step_start_live();
+  if (auto event = probe.last_oom()) {
+    r.phase = event->phase;
+    r.requested = event->requested;
+    r.in_use = event->live;
+    r.injected = event->injected;
+    r.breakdown = monitor.breakdown_at(event->live, event->sequence);
+  } else {
+    r.in_use = probe.peak_bytes();
+    r.breakdown = monitor.breakdown_at(r.in_use, std::nullopt);
+  }
+  zero_grad(params);
+  monitor.abort_step();
+  r.live_after_cleanup = probe.live_bytes();
+  return r;
+}
+
+void arm_injection(const RunConfig::OomInjection& o) {
+  BudgetAllocator& a = BudgetAllocator::install();
+  if (o.nth > 0) {
+    a.fail_nth_allocation(o.nth);
+  } else {
+    a.fail_allocation_above(o.above_bytes);
+  }
+}
+
+void write_snapshot(const std::string& path) {
+  const std::string pickle = cuda_memory_snapshot_pickle();
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) fail("--memory-snapshot: cannot write '{}'", path);
+  const bool ok = std::fwrite(pickle.data(), 1, pickle.size(), f) == pickle.size();
+  if (std::fclose(f) != 0 || !ok) fail("--memory-snapshot: writing '{}' failed", path);
+}
+
 std::string format_eta(double seconds) {
   const auto s = static_cast<int64_t>(seconds + 0.5);
   if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
@@ -63,7 +111,14 @@ TrainSummary train(const RunConfig& cfg) {
   validate(cfg);
   const at::Device device = resolve_device(cfg.device);
   const AttentionPath attention = parse_attention_path(cfg.attention);
+  if (!cfg.memory_snapshot.empty() && !device.is_cuda()) {
+    fail("--memory-snapshot needs --device cuda (it is PyTorch's CUDA allocator history); on cpu the metrics "
+         "JSONL has the per-phase memory");
+  }
+  const auto injection = cfg.oom_injection();
+  if (injection && device.is_cuda()) fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
   auto probe = make_memory_probe(device);  // on cpu: installs the counting allocator before anything
+  if (!cfg.memory_snapshot.empty()) cuda_record_memory_history(true);
 
   const ModelConfig model_cfg = load_model_config(cfg.model, cfg.overrides);
   if (model_cfg.vocab_size < kByteVocabulary) {
@@ -75,16 +130,32 @@ TrainSummary train(const RunConfig& cfg) {
   }
   const TextDataset data = TextDataset::load(cfg.data, 0.1, cfg.seq);
 
+  // The budget applies from here: the model and optimizer state must fit in it too.
+  probe->set_budget(cfg.budget_bytes());
   CausalLM model(model_cfg, at::TensorOptions().dtype(at::kFloat).device(device), cfg.seed);
   AdamWOptions adam;
   adam.weight_decay = cfg.weight_decay;
   auto optimizer = make_adamw(model.parameters(), adam);
   const LrSchedule schedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
+  const std::vector<NamedTensor>& params = model.parameters();
+
+  MemoryMonitor monitor(*probe, TrackedTensors{
+      [&] { return model.parameter_tensors(); },
+      [&] {
+        std::vector<at::Tensor> grads;
+        for (const auto& p : params) grads.push_back(p.tensor.grad());
+        return grads;
+      },
+      [&] {
+        std::vector<at::Tensor> state;
+        for (const auto& s : optimizer->state()) state.push_back(s.tensor);
+        return state;
+      }});
 
   int64_t start = 0;
   std::optional<int64_t> resumed_at;
   if (!cfg.resume.empty()) {
-    const CheckpointInfo info = load_checkpoint(cfg.resume, model.parameters(), optimizer->state());
+    const CheckpointInfo info = load_checkpoint(cfg.resume, params, optimizer->state());
     if (info.seed != cfg.seed) {
       fail("--resume: the checkpoint was trained with --seed {}, this run has --seed {}; pass --seed {}", info.seed,
            cfg.seed, info.seed);
@@ -100,12 +171,13 @@ TrainSummary train(const RunConfig& cfg) {
   MetricsLog metrics = cfg.metrics.empty() ? MetricsLog() : MetricsLog(cfg.metrics, resumed_at);
 
   if (!cfg.quiet) {
-    fmt::print(stderr, "headroom train: {} ({}, {:.2f}M params) on {}, {} of text; batch {} x accum {} x seq {}, "
-               "steps {}..{}\n", model_cfg.name, family_name(model_cfg.family), model.num_parameters() / 1e6,
-               device.str(), data.origin(), cfg.batch, cfg.accum, cfg.seq, start + 1, cfg.steps);
+    fmt::print(stderr, "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {} x seq {}, "
+               "steps {}..{}{}\n", model_cfg.name, family_name(model_cfg.family), model.num_parameters() / 1e6,
+               device.str(), data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, cfg.batch, cfg.accum,
+               cfg.seq, start + 1, cfg.steps,
+               cfg.budget_bytes() ? fmt::format(", memory budget {}", format_bytes(*cfg.budget_bytes())) : "");
   }
 
-  const std::vector<NamedTensor>& params = model.parameters();
   const int64_t tokens_per_step = cfg.batch * cfg.accum * cfg.seq;
   TrainSummary summary;
   summary.params = model.num_parameters();
@@ -120,35 +192,63 @@ TrainSummary train(const RunConfig& cfg) {
   const int64_t end = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
   for (int64_t step = start; step < end; ++step) {
     const auto t0 = Clock::now();
-    probe->reset_peak();
     seed_step(cfg.seed, step);
     const double lr = schedule.at(step);
     double loss = 0;
-    for (int64_t m = 0; m < cfg.accum; ++m) {
-      const Batch b = data.train_batch(cfg.seed, step, m * cfg.batch, cfg.batch);
-      auto logits = model.forward(b.inputs.to(device), {attention, /*training=*/true});
-      auto micro_loss = token_loss(logits, b.targets.to(device));
-      // Token-weighted: the sum over micro-batches equals the global batch's mean loss.
-      const double weight = static_cast<double>(b.tokens()) / static_cast<double>(tokens_per_step);
-      (micro_loss * weight).backward();
-      loss += micro_loss.item<double>() * weight;
+    double grad_norm = 0;
+    monitor.begin_step(step);
+    if (injection && injection->step == step + 1) arm_injection(*injection);
+    try {
+      for (int64_t m = 0; m < cfg.accum; ++m) {
+        at::Tensor inputs, targets, micro_loss;
+        {
+          auto phase = monitor.phase(Phase::data);
+          const Batch b = data.train_batch(cfg.seed, step, m * cfg.batch, cfg.batch);
+          inputs = b.inputs.to(device);
+          targets = b.targets.to(device);
+        }
+        {
+          auto phase = monitor.phase(Phase::forward);
+          micro_loss = token_loss(model.forward(inputs, {attention, /*training=*/true}), targets);
+        }
+        // Token-weighted: the sum over micro-batches equals the global batch's mean loss.
+        const double weight = static_cast<double>(inputs.numel()) / static_cast<double>(tokens_per_step);
+        {
+          auto phase = monitor.phase(Phase::backward);
+          (micro_loss * weight).backward();
+        }
+        loss += micro_loss.item<double>() * weight;
+      }
+      {
+        auto phase = monitor.phase(Phase::optimizer);
+        grad_norm = clip_grad_norm(params, cfg.grad_clip);
+        optimizer->step(lr);
+      }
+      {
+        auto phase = monitor.phase(Phase::zero_grad);
+        zero_grad(params);
+      }
+    } catch (const c10::OutOfMemoryError& e) {
+      BudgetAllocator::install().disarm();
+      throw OutOfMemory(diagnose_oom(e, *probe, monitor, params));
     }
-    const double grad_norm = clip_grad_norm(params, cfg.grad_clip);
-    optimizer->step(lr);
-    zero_grad(params);
+    if (injection && injection->step == step + 1) BudgetAllocator::install().disarm();
     if (device.is_cuda()) cuda_synchronize();
+    const StepMemory mem = monitor.end_step();
 
     StepRecord rec;
     rec.step = step + 1;
     rec.loss = loss;
     rec.tokens = tokens_per_step;
     rec.seconds = seconds_since(t0);
-    rec.peak_bytes = probe->peak_bytes();
+    rec.peak_bytes = mem.peak;
     rec.live_bytes = probe->live_bytes();
     rec.lr = lr;
     rec.grad_norm = grad_norm;
     rec.batch = cfg.batch;
     rec.accum = cfg.accum;
+    rec.peak_phase = std::string(phase_name(mem.peak_phase));
+    rec.phases = mem.to_json();
     const bool last = step + 1 == end;
     if (last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0)) {
       eval_loss = evaluate(model, data, cfg, device, attention);
@@ -169,9 +269,10 @@ TrainSummary train(const RunConfig& cfg) {
       const int64_t done = step + 1 - start;
       const double tok_s = static_cast<double>(done * tokens_per_step) / train_seconds;
       const double eta = train_seconds / static_cast<double>(done) * static_cast<double>(end - step - 1);
-      fmt::print(stderr, "step {:>5}/{}  loss {:.4f}{}  lr {:.2e}  {:.0f} tok/s  mem {} (peak {})  eta {}\n",
+      fmt::print(stderr, "step {:>5}/{}  loss {:.4f}{}  lr {:.2e}  {:.0f} tok/s  mem {} (peak {} in {})  eta {}\n",
                  step + 1, cfg.steps, loss, rec.eval_loss ? fmt::format("  eval {:.4f}", *rec.eval_loss) : "",
-                 lr, tok_s, format_bytes(rec.live_bytes), format_bytes(rec.peak_bytes), format_eta(eta));
+                 lr, tok_s, format_bytes(rec.live_bytes), format_bytes(rec.peak_bytes), rec.peak_phase,
+                 format_eta(eta));
     }
   }
   summary.seconds = seconds_since(run_start);
@@ -180,6 +281,9 @@ TrainSummary train(const RunConfig& cfg) {
   summary.tokens_per_s = ran > 0 ? static_cast<double>(ran * tokens_per_step) / train_seconds : 0.0;
   if (!eval_loss) eval_loss = evaluate(model, data, cfg, device, attention);  // resumed at the end already
   summary.eval_loss = *eval_loss;
+  summary.memory_table = monitor.summary_table();
+  summary.memory_source = probe->source();
+  if (!cfg.memory_snapshot.empty()) write_snapshot(cfg.memory_snapshot);
   return summary;
 }
 

@@ -3,12 +3,15 @@
 // Reads top to bottom in trainer.cpp: resolve the device, build the model and optimizer, resume if
 // asked, then per step: seed dropout from (seed, step), run the micro-batches (forward, loss,
 // backward with token weights), clip, update, log, evaluate and checkpoint when due. Progress goes to
-// stderr; the metrics JSONL to --metrics. Throws Error for bad input; a c10::OutOfMemoryError
-// propagates to the caller.
+// stderr; the metrics JSONL to --metrics. Each step runs inside the MemoryMonitor's phases. Throws
+// Error for bad input, and OutOfMemory (memory/oom_report.h) with a diagnosis when a step runs out of
+// device memory; the failed step's memory is released first, so live memory is back to its level
+// before the step.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "train/run_config.h"
 
@@ -23,6 +26,8 @@ struct TrainSummary {
   int64_t peak_bytes = 0;   // over the steps this process ran
   double seconds = 0;
   std::string device;
+  std::string memory_table;   // MemoryMonitor::summary_table()
+  std::string memory_source;  // what the memory figures measure
 };
 
 TrainSummary train(const RunConfig& config);

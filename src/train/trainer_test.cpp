@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -8,9 +9,13 @@
 
 #include <cmath>
 #include <fstream>
+#include <set>
+
+#include <fmt/ranges.h>
 
 #include "config/model_config.h"
 #include "data/text_dataset.h"
+#include "memory/oom_report.h"
 #include "model/causal_lm.h"
 #include "testing/temp_dir.h"
 
@@ -123,6 +128,112 @@ TEST(Trainer, MetricsCarryTheContractFields) {
   // Live memory after a step holds at least weights + AdamW's two moments: 3 x 4 bytes per parameter.
   EXPECT_GE(lines[1]["live_bytes"].get<int64_t>(), 12 * s.params);
   EXPECT_GT(lines[1]["peak_bytes"].get<int64_t>(), lines[1]["live_bytes"].get<int64_t>());
+}
+
+// `tiny` by hand: embed 256x256; per layer q 256x256, k and v 256x128, o 256x256, gate/up/down
+// 3x256x688, two norms of 256; four layers; final norm 256; untied head 256x256.
+constexpr int64_t kTinyParams = 65536 + 4 * (65536 + 2 * 32768 + 65536 + 3 * 256 * 688 + 2 * 256) + 256 + 65536;
+constexpr int64_t kTinyTensors = 1 + 4 * 9 + 1 + 1;
+constexpr int64_t kCorpusBytes = 102726;  // data/corpus.txt, held as one byte per token
+// Live after a step: fp32 weights, AdamW's two fp32 moments, one fp32 step counter per tensor, and
+// the corpus.
+constexpr int64_t kTinyLiveAfterStep = 12 * kTinyParams + 4 * kTinyTensors + kCorpusBytes;
+
+RunConfig tiny_run(int64_t steps) {
+  RunConfig cfg;
+  cfg.model = "tiny";
+  cfg.steps = steps;
+  cfg.device = "cpu";
+  cfg.quiet = true;
+  return cfg;
+}
+
+TEST(TrainerMemory, StepPeaksAndBoundariesMatchHandComputedSizes) {
+  TempDir dir;
+  RunConfig cfg = tiny_run(2);
+  cfg.metrics = dir.file("m.jsonl");
+  const TrainSummary s = train(cfg);
+  ASSERT_EQ(s.params, kTinyParams);
+  const auto lines = read_jsonl(cfg.metrics);
+  const auto& step2 = lines[1];
+  // The second step's peak holds at least weights + gradients + AdamW state: 16 bytes a parameter.
+  EXPECT_GE(step2["peak_bytes"].get<int64_t>(), 16 * kTinyParams);
+  EXPECT_EQ(step2["live_bytes"].get<int64_t>(), kTinyLiveAfterStep);
+  // At the zero_grad boundary the categories add up to live memory exactly, and each is known.
+  const auto& z = step2["phases"]["zero_grad"];
+  EXPECT_EQ(z["live_out"].get<int64_t>(), kTinyLiveAfterStep);
+  EXPECT_EQ(z["live_in"].get<int64_t>(), kTinyLiveAfterStep + 4 * kTinyParams);  // gradients still held
+  const auto& b = step2["phases"]["optimizer"]["breakdown"];
+  EXPECT_EQ(b["weights"].get<int64_t>(), 4 * kTinyParams);
+  EXPECT_EQ(b["gradients"].get<int64_t>(), 4 * kTinyParams);
+  EXPECT_EQ(b["optimizer"].get<int64_t>(), 8 * kTinyParams + 4 * kTinyTensors);
+  EXPECT_EQ(b["other"].get<int64_t>(), kCorpusBytes);
+  // Every phase's peak is at least what it started and ended with, and the step's peak is theirs.
+  int64_t highest = 0;
+  for (const char* phase : {"data", "forward", "backward", "optimizer", "zero_grad"}) {
+    const auto& p = step2["phases"][phase];
+    EXPECT_GE(p["peak"].get<int64_t>(), std::max(p["live_in"].get<int64_t>(), p["live_out"].get<int64_t>())) << phase;
+    highest = std::max(highest, p["peak"].get<int64_t>());
+  }
+  EXPECT_EQ(highest, step2["peak_bytes"].get<int64_t>());
+}
+
+TEST(TrainerMemory, AnOomInsideAStepLeavesNothingBehind) {
+  // Fail allocations across step 2 — in data, forward, backward and optimizer — and check each
+  // ends the run with a diagnosis and live memory back at its level before the step.
+  std::set<std::string> phases;
+  for (int64_t nth : {1, 2, 40, 120, 250, 300, 330}) {
+    RunConfig cfg = tiny_run(3);
+    cfg.inject_oom = fmt::format("2:{}", nth);
+    try {
+      train(cfg);
+      ADD_FAILURE() << "no OOM for allocation " << nth;
+    } catch (const OutOfMemory& e) {
+      const OomReport& r = e.report();
+      EXPECT_EQ(r.step, 2);
+      EXPECT_TRUE(r.injected);
+      EXPECT_EQ(r.live_before_step, kTinyLiveAfterStep) << nth;
+      EXPECT_EQ(r.live_after_cleanup, kTinyLiveAfterStep) << "allocation " << nth << " in " << phase_name(r.phase);
+      EXPECT_EQ(r.breakdown.total(), r.in_use);
+      phases.insert(std::string(phase_name(r.phase)));
+    }
+  }
+  EXPECT_TRUE(phases.count("forward") && phases.count("backward")) << fmt::format("{}", fmt::join(phases, ","));
+}
+
+TEST(TrainerMemory, FaultInjectionIsReproducible) {
+  auto once = [] {
+    RunConfig cfg = tiny_run(2);
+    cfg.inject_oom = "2:150";
+    try {
+      train(cfg);
+    } catch (const OutOfMemory& e) {
+      return e.report();
+    }
+    return OomReport{};
+  };
+  const OomReport a = once(), b = once();
+  EXPECT_EQ(a.step, 2);
+  EXPECT_EQ(a.phase, b.phase);
+  EXPECT_EQ(a.requested, b.requested);
+  EXPECT_EQ(a.in_use, b.in_use);
+}
+
+TEST(TrainerMemory, BudgetEndsTheRunWithTheDocumentedMessage) {
+  RunConfig cfg = tiny_run(2);
+  cfg.memory_budget = "100MiB";
+  try {
+    train(cfg);
+    ADD_FAILURE() << "tiny's ~120 MiB step fit in 100 MiB";
+  } catch (const OutOfMemory& e) {
+    const OomReport& r = e.report();
+    EXPECT_EQ(r.budget, 100 << 20);
+    EXPECT_FALSE(r.injected);
+    EXPECT_LE(r.in_use, r.budget);
+    EXPECT_GT(r.in_use + r.requested, r.budget);
+    EXPECT_THAT(r.message, ::testing::MatchesRegex("CPU out of memory \\(headroom budget\\) during [a-z_]+ of step 1\\. "
+                                                   "Tried to allocate .*\\. Budget 100 MiB; .* in use; .* free\\."));
+  }
 }
 
 }  // namespace

@@ -1,0 +1,37 @@
+#include "memory/oom_report.h"
+
+#include <fmt/format.h>
+
+#include "util/size.h"
+
+namespace headroom {
+
+nlohmann::json OomReport::to_json() const {
+  return {{"happened", true},     {"step", step},     {"phase", std::string(phase_name(phase))},
+          {"requested_bytes", requested}, {"in_use_bytes", in_use}, {"budget_bytes", budget},
+          {"injected", injected}, {"breakdown", breakdown.to_json()}, {"message", message},
+          {"live_before_step_bytes", live_before_step}, {"live_after_cleanup_bytes", live_after_cleanup}};
+}
+
+std::string OomReport::to_text() const {
+  std::string out = fmt::format("out of memory in {} of step {}", phase_name(phase), step);
+  if (requested >= 0) out += fmt::format(": tried to allocate {}", format_bytes(requested));
+  out += fmt::format(" with {} in use", format_bytes(in_use));
+  if (budget >= 0) out += fmt::format(" of a {} budget", format_bytes(budget));
+  out += "\n  in use by category:";
+  const std::pair<const char*, int64_t> cats[] = {{"weights", breakdown.weights},
+                                                  {"gradients", breakdown.gradients},
+                                                  {"optimizer", breakdown.optimizer},
+                                                  {"activations", breakdown.activations},
+                                                  {"other", breakdown.other}};
+  for (const auto& [name, bytes] : cats) {
+    const double share = in_use > 0 ? 100.0 * static_cast<double>(bytes) / static_cast<double>(in_use) : 0.0;
+    out += fmt::format("\n    {:<12} {:>11}  {:>5.1f}%", name, format_bytes(bytes), share);
+  }
+  out += fmt::format("\n  after releasing the failed step: {} in use ({} before it)", format_bytes(live_after_cleanup),
+                     format_bytes(live_before_step));
+  out += "\n  allocator: " + message;
+  return out;
+}
+
+}  // namespace headroom

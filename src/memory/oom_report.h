@@ -1,0 +1,43 @@
+// OutOfMemory — a training run that ran out of device memory and could not continue, with the
+// diagnosis: where (step, phase), what was asked for, what was in use and of what it consisted.
+// The CLI prints it and exits with kExitOom.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "memory/memory_monitor.h"
+#include "memory/phase.h"
+
+namespace headroom {
+
+struct OomReport {
+  int64_t step = 0;  // 1-based
+  Phase phase = Phase::idle;
+  int64_t requested = -1;  // -1: unknown (cuda reports it only in its message)
+  int64_t in_use = 0;
+  int64_t budget = -1;     // -1: none
+  bool injected = false;   // a fault injected by a test, not a real shortage
+  Breakdown breakdown;     // of in_use, at the failing allocation
+  int64_t live_before_step = 0;    // live bytes when the step began
+  int64_t live_after_cleanup = 0;  // after the failed step's memory was released
+  std::string message;     // the allocator's own one-line message
+
+  nlohmann::json to_json() const;
+  // Several lines for a person: the facts, the breakdown, the largest category.
+  std::string to_text() const;
+};
+
+class OutOfMemory : public std::runtime_error {
+ public:
+  explicit OutOfMemory(OomReport report) : std::runtime_error(report.message), report_(std::move(report)) {}
+  const OomReport& report() const { return report_; }
+
+ private:
+  OomReport report_;
+};
+
+}  // namespace headroom
