@@ -2,9 +2,12 @@
 //
 // Installed once per process as the CPU allocator (c10::SetCPUAllocator), it wraps the allocator it
 // replaces: every CPU tensor allocation passes through it, so live and peak bytes are exact for
-// everything that allocates through c10. Known gaps (tested in budget_allocator_test.cpp): memory
-// that oneDNN or a BLAS takes with malloc internally, TensorImpl and other metadata objects, and
-// tensors wrapping foreign memory (at::from_blob) are not counted.
+// everything that allocates through c10's current CPU allocator (all of ATen's tensor factories).
+// Known gaps, shown by tests in budget_allocator_test.cpp: code that calls
+// c10::GetDefaultCPUAllocator() directly; TensorImpl and other metadata on the C++ heap; tensors
+// wrapping foreign memory (at::from_blob); and scratch that oneDNN or a BLAS takes with malloc inside
+// an operator. Pinned host memory exists only in CUDA builds with a GPU, where it comes from CUDA's
+// host allocator, not from this one.
 //
 // With a budget it behaves like a device of that size: an allocation that would take live bytes
 // past the budget throws c10::OutOfMemoryError with a message in the style of CUDA's, naming the

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <malloc.h>
 
 #include <algorithm>
@@ -131,6 +132,17 @@ TEST(BudgetAllocatorGaps, ForeignMemoryAndMetadataAreNotCounted) {
   const auto heap_after = ::mallinfo2();
   EXPECT_EQ(a.live_bytes(), counted);
   EXPECT_GT(heap_after.uordblks - heap_before.uordblks, 10000u * 100);  // > 100 bytes a view
+}
+
+TEST(BudgetAllocatorGaps, CallersOfTheDefaultAllocatorBypassIt) {
+  // Code that asks c10 for the *default* CPU allocator, rather than the current one, is not seen.
+  // ATen's tensor factories use the current one (c10::GetCPUAllocator), as the tests above show.
+  auto& a = BudgetAllocator::install();
+  const int64_t before = a.live_bytes();
+  c10::DataPtr raw = c10::GetDefaultCPUAllocator()->allocate(1 << 20);
+  EXPECT_NE(raw.get(), nullptr);
+  EXPECT_EQ(a.live_bytes(), before);
+  EXPECT_EQ(c10::GetCPUAllocator(), &a);
 }
 
 }  // namespace

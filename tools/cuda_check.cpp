@@ -1,0 +1,93 @@
+// headroom_cuda_check — run by scripts/gpu-check on a GPU machine: trains a few steps on cuda, then
+// prints the CUDA adapter's readings as one JSON object and checks them against each other and
+// against NVML. Exit 0: all checks hold; 1: a check failed (listed); 2: no GPU here.
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "device/cuda_adapter.h"
+#include "device/nvml.h"
+#include "memory/oom_report.h"
+#include "train/trainer.h"
+
+using namespace headroom;
+
+int main() {
+  if (!cuda_available()) {
+    fmt::print(stderr, "headroom_cuda_check: no CUDA device here\n");
+    return 2;
+  }
+  std::vector<std::string> failed;
+  auto check = [&](bool ok, const std::string& what) {
+    if (!ok) failed.push_back(what);
+  };
+  nlohmann::json out;
+
+  RunConfig cfg;
+  cfg.model = "small";
+  cfg.steps = 5;
+  cfg.batch = 16;
+  cfg.seq = 256;
+  cfg.device = "cuda";
+  cfg.quiet = true;
+  const TrainSummary s = train(cfg);
+  const CudaMemoryStats st = cuda_memory_stats(0);
+  const CudaDeviceMemory dev = cuda_device_memory(0);
+  const NvmlReading nv = nvml_read(0);
+  out["train"] = {{"peak_bytes", s.peak_bytes}, {"tokens_per_s", s.tokens_per_s}, {"final_loss", s.final_loss}};
+  out["stats"] = {{"allocated", st.allocated_bytes},         {"peak_allocated", st.peak_allocated_bytes},
+                  {"reserved", st.reserved_bytes},           {"peak_reserved", st.peak_reserved_bytes},
+                  {"active", st.active_bytes},               {"peak_active", st.peak_active_bytes},
+                  {"inactive_split", st.inactive_split_bytes}, {"requested", st.requested_bytes},
+                  {"peak_requested", st.peak_requested_bytes}, {"alloc_retries", st.alloc_retries},
+                  {"ooms", st.ooms}};
+  out["device"] = {{"free", dev.free_bytes}, {"total", dev.total_bytes}};
+  out["nvml"] = {{"available", nv.available}, {"why_not", nv.why_not}, {"device_used", nv.device_used_bytes},
+                 {"device_total", nv.device_total_bytes}, {"process_used", nv.process_used_bytes}};
+
+  check(st.allocated_bytes <= st.reserved_bytes, "allocated <= reserved");
+  check(st.peak_allocated_bytes <= st.peak_reserved_bytes, "peak allocated <= peak reserved");
+  check(st.allocated_bytes <= st.peak_allocated_bytes, "allocated <= its peak");
+  check(st.requested_bytes <= st.allocated_bytes, "requested <= allocated (allocated is rounded up)");
+  check(st.active_bytes >= st.allocated_bytes, "active >= allocated");
+  check(s.peak_bytes > 0 && s.peak_bytes <= st.peak_allocated_bytes, "train's step peak <= allocator's run peak");
+  check(dev.total_bytes > 0 && dev.free_bytes <= dev.total_bytes, "cudaMemGetInfo free <= total");
+  if (nv.available) {
+    check(nv.device_total_bytes == dev.total_bytes, "NVML total == cudaMemGetInfo total");
+    check(nv.device_used_bytes >= st.reserved_bytes, "NVML device used >= reserved");
+    if (nv.process_used_bytes >= 0) check(nv.process_used_bytes >= st.reserved_bytes, "NVML process used >= reserved");
+  }
+
+  // A 1 GiB cap: a 2 GiB tensor must fail with PyTorch's OOM, and the count must move.
+  cuda_set_memory_fraction(0, static_cast<double>(int64_t{1} << 30) / static_cast<double>(dev.total_bytes));
+  bool refused = false;
+  try {
+    auto big = at::empty({int64_t{1} << 29}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+  } catch (const c10::OutOfMemoryError&) {
+    refused = true;
+  }
+  cuda_set_memory_fraction(0, 1.0);
+  check(refused, "a 2 GiB allocation under a 1 GiB memory fraction is refused");
+  check(cuda_memory_stats(0).ooms == st.ooms + 1, "the OOM count moved by one");
+  const int64_t reserved_before = cuda_memory_stats(0).reserved_bytes;
+  cuda_empty_cache();
+  check(cuda_memory_stats(0).reserved_bytes <= reserved_before, "empty_cache does not grow reserved");
+
+  // The memory snapshot is a pickle (protocol 2+ starts with 0x80).
+  cuda_record_memory_history(true);
+  { auto t = at::ones({1 << 20}, at::TensorOptions().device(at::kCUDA)); }
+  const std::string pickle = cuda_memory_snapshot_pickle();
+  cuda_record_memory_history(false);
+  check(!pickle.empty() && static_cast<unsigned char>(pickle[0]) == 0x80, "snapshot is a pickle");
+  out["snapshot_bytes"] = pickle.size();
+
+  out["failed"] = failed;
+  fmt::print("{}\n", out.dump(2));
+  return failed.empty() ? 0 : 1;
+}
