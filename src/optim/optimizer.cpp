@@ -4,6 +4,9 @@
 
 #include <unordered_set>
 
+#include "optim/optimizers.h"
+#include "util/error.h"
+
 namespace headroom {
 
 int64_t Optimizer::state_bytes() const {
@@ -14,6 +17,39 @@ int64_t Optimizer::state_bytes() const {
     if (seen.insert(storage.unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(storage.nbytes());
   }
   return bytes;
+}
+
+const char* optimizer_name(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::sgd: return "sgd";
+    case OptimizerKind::momentum: return "momentum";
+    case OptimizerKind::adam: return "adam";
+    case OptimizerKind::adamw: return "adamw";
+    case OptimizerKind::adagrad: return "adagrad";
+    case OptimizerKind::adafactor: return "adafactor";
+  }
+  return "?";
+}
+
+OptimizerKind parse_optimizer(const std::string& text) {
+  for (auto k : {OptimizerKind::sgd, OptimizerKind::momentum, OptimizerKind::adam, OptimizerKind::adamw,
+                 OptimizerKind::adagrad, OptimizerKind::adafactor}) {
+    if (text == optimizer_name(k)) return k;
+  }
+  fail("--optimizer '{}': accepted: sgd, momentum, adam, adamw, adagrad, adafactor", text);
+}
+
+std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<NamedTensor>& params,
+                                          const OptimizerOptions& options) {
+  switch (kind) {
+    case OptimizerKind::sgd: return make_sgd(params, options, /*momentum=*/false);
+    case OptimizerKind::momentum: return make_sgd(params, options, /*momentum=*/true);
+    case OptimizerKind::adam: return make_adam(params, options, /*decoupled=*/false);
+    case OptimizerKind::adamw: return make_adam(params, options, /*decoupled=*/true);
+    case OptimizerKind::adagrad: return make_adagrad(params, options);
+    case OptimizerKind::adafactor: return make_adafactor(params, options);
+  }
+  fail("unknown optimizer");
 }
 
 void zero_grad(const std::vector<NamedTensor>& params) {

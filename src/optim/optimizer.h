@@ -28,18 +28,44 @@ class Optimizer {
 
   virtual std::string name() const = 0;
 
+  // Memory the optimizer holds besides its state (adafactor's scratch buffer): counted as optimizer
+  // memory, not checkpointed.
+  virtual std::vector<at::Tensor> working_memory() const { return {}; }
+
   // Bytes held by state(), shared storage counted once.
   int64_t state_bytes() const;
 };
 
-struct AdamWOptions {
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double weight_decay = 0.1;  // decoupled; applied to matrices only, not to biases and norm weights
+enum class OptimizerKind { sgd, momentum, adam, adamw, adagrad, adafactor };
+
+const char* optimizer_name(OptimizerKind kind);
+// Throws Error naming the accepted values.
+OptimizerKind parse_optimizer(const std::string& text);
+
+// Weight decay applies to matrices only, never to biases and norm weights. Its meaning follows
+// PyTorch's optimizer of the same name: decoupled (p *= 1 - lr * wd) for adamw and adafactor, an L2
+// term added to the gradient for sgd, momentum, adam and adagrad.
+struct OptimizerOptions {
+  double beta1 = 0.9;          // adam, adamw
+  double beta2 = 0.95;         // adam, adamw
+  double eps = 1e-8;           // adam, adamw; adagrad uses 1e-10 as PyTorch does
+  double weight_decay = 0.0;
+  double momentum = 0.9;       // momentum
+  double beta2_decay = -0.8;   // adafactor: beta2_t = 1 - step^beta2_decay
+  double adafactor_eps2 = 1e-3;
+  double adafactor_clip = 1.0;  // d: the update's RMS is clipped to this
 };
 
-std::unique_ptr<Optimizer> make_adamw(const std::vector<NamedTensor>& params, const AdamWOptions& options);
+// The optimizer's state tensors are allocated here, before the first step:
+//   sgd        none
+//   momentum   one buffer per parameter (1x)
+//   adam/adamw exp_avg and exp_avg_sq (2x), and a float step counter per tensor
+//   adagrad    the sum of squares (1x), and a step counter per tensor
+//   adafactor  for a matrix, row and column second-moment estimates (rows + columns); for a vector,
+//              a full second moment; a step counter per tensor; plus one scratch buffer the size of
+//              the largest parameter, so that a step allocates nothing per parameter
+std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<NamedTensor>& params,
+                                          const OptimizerOptions& options);
 
 // Drops every parameter's gradient (set to undefined, so its memory is released).
 void zero_grad(const std::vector<NamedTensor>& params);

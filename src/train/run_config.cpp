@@ -7,6 +7,7 @@
 #include <cmath>
 #include <toml++/toml.h>
 
+#include "optim/optimizer.h"
 #include "util/error.h"
 #include "util/size.h"
 
@@ -73,10 +74,13 @@ const std::vector<RunField>& run_fields() {
       integer("batch", "micro-batch size in sequences", &RunConfig::batch),
       integer("accum", "micro-batches accumulated per optimizer step", &RunConfig::accum),
       integer("seq", "sequence length in tokens", &RunConfig::seq),
-      number("lr", "peak learning rate (AdamW)", &RunConfig::lr),
+      number("lr", "peak learning rate", &RunConfig::lr),
       number("min-lr-ratio", "cosine schedule ends at lr * this", &RunConfig::min_lr_ratio),
       integer("warmup", "linear warm-up steps (default: 5% of --steps)", &RunConfig::warmup),
-      number("weight-decay", "AdamW decoupled weight decay on matrices", &RunConfig::weight_decay),
+      text("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer),
+      number("weight-decay",
+             "weight decay on matrices, as PyTorch's optimizer of that name applies it (default: 0.1 for "
+             "adamw, 0 for the others)", &RunConfig::weight_decay),
       number("grad-clip", "clip the global gradient norm to this (0: off)", &RunConfig::grad_clip),
       {"seed", Kind::integer, "seed for initialisation, data order and dropout",
        [](RunConfig& c, const std::string& s) {
@@ -151,6 +155,11 @@ void apply_toml_file(RunConfig& config, const std::string& path) {
   }
 }
 
+double RunConfig::weight_decay_value() const {
+  if (weight_decay >= 0) return weight_decay;
+  return optimizer == "adamw" ? 0.1 : 0.0;
+}
+
 std::optional<int64_t> RunConfig::budget_bytes() const {
   if (memory_budget.empty()) return std::nullopt;
   const int64_t b = parse_size(memory_budget, "--memory-budget");
@@ -198,7 +207,8 @@ void validate(const RunConfig& c) {
   if (!(c.lr > 0)) fail("--lr must be positive, got {}", c.lr);
   if (c.min_lr_ratio < 0 || c.min_lr_ratio > 1) fail("--min-lr-ratio must be in [0, 1], got {}", c.min_lr_ratio);
   if (c.warmup < -1) fail("--warmup must be non-negative, got {}", c.warmup);
-  if (c.weight_decay < 0) fail("--weight-decay must be non-negative, got {}", c.weight_decay);
+  if (c.weight_decay < 0 && c.weight_decay != -1) fail("--weight-decay must be non-negative, got {}", c.weight_decay);
+  parse_optimizer(c.optimizer);
   if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);

@@ -25,7 +25,8 @@ struct RunConfig {
   double lr = 3e-3;
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   int64_t warmup = -1;        // steps; -1: 5% of --steps (at least 1)
-  double weight_decay = 0.1;
+  std::string optimizer = "adamw";
+  double weight_decay = -1;  // -1: 0.1 for adamw, 0 for the others
   double grad_clip = 1.0;  // max global grad norm; 0 turns clipping off
   uint64_t seed = 1234;
   std::string device = "auto";
@@ -44,6 +45,7 @@ struct RunConfig {
   bool quiet = false;
 
   int64_t warmup_steps() const;
+  double weight_decay_value() const;
   std::optional<int64_t> budget_bytes() const;  // parsed memory_budget
 
   struct OomInjection {

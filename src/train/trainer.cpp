@@ -133,9 +133,9 @@ TrainSummary train(const RunConfig& cfg) {
   // The budget applies from here: the model and optimizer state must fit in it too.
   probe->set_budget(cfg.budget_bytes());
   CausalLM model(model_cfg, at::TensorOptions().dtype(at::kFloat).device(device), cfg.seed);
-  AdamWOptions adam;
-  adam.weight_decay = cfg.weight_decay;
-  auto optimizer = make_adamw(model.parameters(), adam);
+  OptimizerOptions optimizer_options;
+  optimizer_options.weight_decay = cfg.weight_decay_value();
+  auto optimizer = make_optimizer(parse_optimizer(cfg.optimizer), model.parameters(), optimizer_options);
   const LrSchedule schedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
   const std::vector<NamedTensor>& params = model.parameters();
 
@@ -149,6 +149,7 @@ TrainSummary train(const RunConfig& cfg) {
       [&] {
         std::vector<at::Tensor> state;
         for (const auto& s : optimizer->state()) state.push_back(s.tensor);
+        for (const auto& t : optimizer->working_memory()) state.push_back(t);
         return state;
       }});
 

@@ -1,22 +1,25 @@
-// AdamW through ATen's fused kernel (_fused_adamw_), which updates every parameter of a group in
-// place with no per-parameter temporaries. Two groups: matrices decay, vectors do not.
+// Adam and AdamW through ATen's fused kernels (_fused_adam_, _fused_adamw_), which update every
+// parameter of a group in place with no per-parameter temporaries. Two groups: matrices decay,
+// vectors do not.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
 #include "optim/optimizer.h"
+#include "optim/optimizers.h"
 
 namespace headroom {
 namespace {
 
-class AdamW final : public Optimizer {
+class Adam final : public Optimizer {
  public:
-  AdamW(const std::vector<NamedTensor>& params, const AdamWOptions& options) : options_(options) {
+  Adam(const std::vector<NamedTensor>& params, const OptimizerOptions& options, bool decoupled)
+      : options_(options), decoupled_(decoupled) {
     c10::NoGradGuard no_grad;
     for (const auto& p : params) {
       Slot s{p.name, p.tensor, at::zeros_like(p.tensor, at::MemoryFormat::Contiguous),
              at::zeros_like(p.tensor, at::MemoryFormat::Contiguous),
              at::zeros({}, p.tensor.options().dtype(at::kFloat))};
-      (p.tensor.dim() >= 2 ? decay_ : no_decay_).push_back(std::move(s));
+      (decays(p.tensor) ? decay_ : no_decay_).push_back(std::move(s));
     }
   }
 
@@ -38,7 +41,7 @@ class AdamW final : public Optimizer {
     return out;
   }
 
-  std::string name() const override { return "adamw"; }
+  std::string name() const override { return decoupled_ ? "adamw" : "adam"; }
 
  private:
   struct Slot {
@@ -58,18 +61,25 @@ class AdamW final : public Optimizer {
     }
     if (params.empty()) return;
     at::_foreach_add_(steps, 1.0);
-    at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, options_.beta1, options_.beta2,
-                      weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    if (decoupled_) {
+      at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, options_.beta1, options_.beta2,
+                        weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    } else {
+      at::_fused_adam_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, options_.beta1, options_.beta2,
+                       weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    }
   }
 
-  AdamWOptions options_;
+  OptimizerOptions options_;
+  bool decoupled_;
   std::vector<Slot> decay_, no_decay_;
 };
 
 }  // namespace
 
-std::unique_ptr<Optimizer> make_adamw(const std::vector<NamedTensor>& params, const AdamWOptions& options) {
-  return std::make_unique<AdamW>(params, options);
+std::unique_ptr<Optimizer> make_adam(const std::vector<NamedTensor>& params, const OptimizerOptions& options,
+                                     bool decoupled) {
+  return std::make_unique<Adam>(params, options, decoupled);
 }
 
 }  // namespace headroom
