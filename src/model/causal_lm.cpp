@@ -160,10 +160,16 @@ at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptio
 
 at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                            const ForwardOptions& o) const {
+  auto attend = [&](const at::Tensor& normed) {
+    if (!o.checkpoint.attention_only() || !c10::GradMode::is_enabled()) return attention(l, normed, cos, sin, o);
+    const Layer* layer = &l;
+    return checkpointed([this, layer, cos, sin, o](const at::Tensor& h) { return attention(*layer, h, cos, sin, o); },
+                        normed);
+  };
   if (config_.parallel_residual) {
-    return x + attention(l, norm(x, l.norm1_w, l.norm1_b), cos, sin, o) + mlp(l, norm(x, l.norm2_w, l.norm2_b), o);
+    return x + attend(norm(x, l.norm1_w, l.norm1_b)) + mlp(l, norm(x, l.norm2_w, l.norm2_b), o);
   }
-  auto h = x + attention(l, norm(x, l.norm1_w, l.norm1_b), cos, sin, o);
+  auto h = x + attend(norm(x, l.norm1_w, l.norm1_b));
   return h + mlp(l, norm(h, l.norm2_w, l.norm2_b), o);
 }
 
@@ -180,7 +186,16 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
   x = maybe_dropout(x, config_.embd_dropout, o.training);
   at::Tensor cos, sin;
   if (!config_.learned_positions) std::tie(cos, sin) = rotary_.tables(t, x.device());
-  for (const Layer& l : layers_) x = block(l, x, cos, sin, o);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer* l = &layers_[i];
+    if (o.checkpoint.whole_layer(static_cast<int64_t>(i)) && c10::GradMode::is_enabled()) {
+      ForwardOptions inner = o;
+      inner.checkpoint = {};  // nothing nested inside a checkpointed layer
+      x = checkpointed([this, l, cos, sin, inner](const at::Tensor& h) { return block(*l, h, cos, sin, inner); }, x);
+    } else {
+      x = block(*l, x, cos, sin, o);
+    }
+  }
   x = norm(x, final_norm_w_, final_norm_b_);
   return at::linear(x, head_);
 }

@@ -15,6 +15,7 @@
 
 #include "config/model_config.h"
 #include "model/attention.h"
+#include "model/checkpointing.h"
 #include "model/rotary.h"
 
 namespace headroom {
@@ -27,6 +28,7 @@ struct NamedTensor {
 struct ForwardOptions {
   AttentionPath attention = AttentionPath::flash;
   bool training = true;  // dropout on
+  CheckpointPolicy checkpoint;  // applies only while gradients are being recorded
 };
 
 class CausalLM {

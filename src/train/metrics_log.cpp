@@ -45,6 +45,8 @@ void MetricsLog::write(const StepRecord& r) {
                       {"oom_recoveries", r.oom_recoveries}};
   if (!r.peak_phase.empty()) j["peak_phase"] = r.peak_phase;
   if (!r.phases.is_null()) j["phases"] = r.phases;
+  if (r.skipped) j["skipped"] = true;
+  if (r.loss_scale) j["loss_scale"] = *r.loss_scale;
   if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
   out_ << j.dump() << '\n';
   out_.flush();

@@ -16,6 +16,8 @@
 //   phases          per phase: live_in and live_out (bytes at entry and exit), peak (inside), and
 //                   breakdown: the peak by category — weights, gradients, optimizer, activations
 //                   (and temporaries), other (live before the step and none of those)
+//   skipped         true when fp16 loss scaling found an inf/NaN gradient and skipped the update
+//   loss_scale      the fp16 loss scale after the step (fp16-mixed only)
 //   eval_loss       held-out loss, on steps where it was evaluated
 // Each line is flushed as written, so a crash loses at most the step in flight.
 #pragma once
@@ -43,6 +45,8 @@ struct StepRecord {
   int64_t oom_recoveries = 0;
   std::string peak_phase;
   nlohmann::json phases;  // StepMemory::to_json()
+  bool skipped = false;
+  std::optional<double> loss_scale;
   std::optional<double> eval_loss;
 };
 

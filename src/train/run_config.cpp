@@ -7,7 +7,9 @@
 #include <cmath>
 #include <toml++/toml.h>
 
+#include "model/checkpointing.h"
 #include "optim/optimizer.h"
+#include "train/precision.h"
 #include "util/error.h"
 #include "util/size.h"
 
@@ -91,6 +93,11 @@ const std::vector<RunField>& run_fields() {
       text("device", "auto (cuda when present), cpu, cuda or cuda:N", &RunConfig::device),
       text("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)",
            &RunConfig::attention),
+      text("precision", "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling) or bf16 (pure)",
+           &RunConfig::precision),
+      text("checkpointing",
+           "activation checkpointing: none, selective (attention), full (every layer) or every:K",
+           &RunConfig::checkpointing),
       text("memory-budget",
            "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
            "below the card", &RunConfig::memory_budget),
@@ -209,6 +216,8 @@ void validate(const RunConfig& c) {
   if (c.warmup < -1) fail("--warmup must be non-negative, got {}", c.warmup);
   if (c.weight_decay < 0 && c.weight_decay != -1) fail("--weight-decay must be non-negative, got {}", c.weight_decay);
   parse_optimizer(c.optimizer);
+  parse_precision(c.precision);
+  parse_checkpoint_policy(c.checkpointing);
   if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);

@@ -31,6 +31,8 @@ struct RunConfig {
   uint64_t seed = 1234;
   std::string device = "auto";
   std::string attention = "flash";
+  std::string precision = "fp32";
+  std::string checkpointing = "none";
   std::string memory_budget;    // size text; empty: none. cpu: a simulated device; cuda: a cap
   std::string memory_snapshot;  // cuda: write PyTorch's memory snapshot pickle here at the end
   std::string inject_oom;       // cpu fault injection: "STEP:N" (N-th allocation) or "STEP:above:SIZE"

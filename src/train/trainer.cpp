@@ -10,6 +10,7 @@
 
 #include "config/model_config.h"
 #include "data/text_dataset.h"
+#include "device/autocast_adapter.h"
 #include "device/cuda_adapter.h"
 #include "device/device.h"
 #include "memory/budget_allocator.h"
@@ -21,6 +22,7 @@
 #include "train/checkpoint.h"
 #include "train/lr_schedule.h"
 #include "train/metrics_log.h"
+#include "train/precision.h"
 #include "util/error.h"
 #include "util/size.h"
 
@@ -43,16 +45,25 @@ at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
 }
 
 double evaluate(const CausalLM& model, const TextDataset& data, const RunConfig& cfg, const at::Device& device,
-                AttentionPath attention) {
+                AttentionPath attention, Precision precision) {
   c10::NoGradGuard no_grad;
   double loss_sum = 0;
   int64_t tokens = 0;
   for (const Batch& b : data.eval_batches(cfg.batch, cfg.eval_rows)) {
+    AutocastScope autocast(device.type(), forward_autocast(precision));
     auto logits = model.forward(b.inputs.to(device), {attention, /*training=*/false});
     loss_sum += token_loss(logits, b.targets.to(device)).item<double>() * static_cast<double>(b.tokens());
     tokens += b.tokens();
   }
   return loss_sum / static_cast<double>(tokens);
+}
+
+std::vector<at::Tensor> gradients(const std::vector<NamedTensor>& params) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) {
+    if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
+  }
+  return grads;
 }
 
 // After an OOM inside a step: what was in use and of what it consisted, then release everything the
@@ -111,6 +122,8 @@ TrainSummary train(const RunConfig& cfg) {
   validate(cfg);
   const at::Device device = resolve_device(cfg.device);
   const AttentionPath attention = parse_attention_path(cfg.attention);
+  const Precision precision = parse_precision(cfg.precision);
+  const ForwardOptions train_forward{attention, /*training=*/true, parse_checkpoint_policy(cfg.checkpointing)};
   if (!cfg.memory_snapshot.empty() && !device.is_cuda()) {
     fail("--memory-snapshot needs --device cuda (it is PyTorch's CUDA allocator history); on cpu the metrics "
          "JSONL has the per-phase memory");
@@ -132,7 +145,9 @@ TrainSummary train(const RunConfig& cfg) {
 
   // The budget applies from here: the model and optimizer state must fit in it too.
   probe->set_budget(cfg.budget_bytes());
-  CausalLM model(model_cfg, at::TensorOptions().dtype(at::kFloat).device(device), cfg.seed);
+  CausalLM model(model_cfg, at::TensorOptions().dtype(parameter_dtype(precision)).device(device), cfg.seed);
+  std::optional<LossScaler> scaler;
+  if (precision == Precision::fp16_mixed) scaler.emplace(device);
   OptimizerOptions optimizer_options;
   optimizer_options.weight_decay = cfg.weight_decay_value();
   auto optimizer = make_optimizer(parse_optimizer(cfg.optimizer), model.parameters(), optimizer_options);
@@ -173,9 +188,10 @@ TrainSummary train(const RunConfig& cfg) {
 
   if (!cfg.quiet) {
     fmt::print(stderr, "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {} x seq {}, "
-               "steps {}..{}{}\n", model_cfg.name, family_name(model_cfg.family), model.num_parameters() / 1e6,
-               device.str(), data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, cfg.batch, cfg.accum,
-               cfg.seq, start + 1, cfg.steps,
+               "{}, {}, checkpointing {}, steps {}..{}{}\n", model_cfg.name, family_name(model_cfg.family),
+               model.num_parameters() / 1e6, device.str(), data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000,
+               cfg.batch, cfg.accum, cfg.seq, precision_name(precision), optimizer->name(), train_forward.checkpoint.name(),
+               start + 1, cfg.steps,
                cfg.budget_bytes() ? fmt::format(", memory budget {}", format_bytes(*cfg.budget_bytes())) : "");
   }
 
@@ -197,6 +213,7 @@ TrainSummary train(const RunConfig& cfg) {
     const double lr = schedule.at(step);
     double loss = 0;
     double grad_norm = 0;
+    bool skipped = false;
     monitor.begin_step(step);
     if (injection && injection->step == step + 1) arm_injection(*injection);
     try {
@@ -210,20 +227,27 @@ TrainSummary train(const RunConfig& cfg) {
         }
         {
           auto phase = monitor.phase(Phase::forward);
-          micro_loss = token_loss(model.forward(inputs, {attention, /*training=*/true}), targets);
+          AutocastScope autocast(device.type(), forward_autocast(precision));
+          micro_loss = token_loss(model.forward(inputs, train_forward), targets);
         }
         // Token-weighted: the sum over micro-batches equals the global batch's mean loss.
         const double weight = static_cast<double>(inputs.numel()) / static_cast<double>(tokens_per_step);
         {
           auto phase = monitor.phase(Phase::backward);
-          (micro_loss * weight).backward();
+          at::Tensor weighted = micro_loss * weight;
+          (scaler ? scaler->scale(weighted) : weighted).backward();
         }
         loss += micro_loss.item<double>() * weight;
       }
       {
         auto phase = monitor.phase(Phase::optimizer);
-        grad_norm = clip_grad_norm(params, cfg.grad_clip);
-        optimizer->step(lr);
+        // fp16: gradients come back to their true scale first; a step with an inf or NaN is skipped.
+        skipped = scaler && scaler->unscale(gradients(params));
+        if (!skipped) {
+          grad_norm = clip_grad_norm(params, cfg.grad_clip);
+          optimizer->step(lr);
+        }
+        if (scaler) scaler->update();
       }
       {
         auto phase = monitor.phase(Phase::zero_grad);
@@ -249,10 +273,12 @@ TrainSummary train(const RunConfig& cfg) {
     rec.batch = cfg.batch;
     rec.accum = cfg.accum;
     rec.peak_phase = std::string(phase_name(mem.peak_phase));
+    rec.skipped = skipped;
+    if (scaler) rec.loss_scale = scaler->scale_value();
     rec.phases = mem.to_json();
     const bool last = step + 1 == end;
     if (last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0)) {
-      eval_loss = evaluate(model, data, cfg, device, attention);
+      eval_loss = evaluate(model, data, cfg, device, attention, precision);
       rec.eval_loss = eval_loss;
     }
     metrics.write(rec);
@@ -280,7 +306,7 @@ TrainSummary train(const RunConfig& cfg) {
   summary.peak_bytes = peak;
   const int64_t ran = summary.steps - start;
   summary.tokens_per_s = ran > 0 ? static_cast<double>(ran * tokens_per_step) / train_seconds : 0.0;
-  if (!eval_loss) eval_loss = evaluate(model, data, cfg, device, attention);  // resumed at the end already
+  if (!eval_loss) eval_loss = evaluate(model, data, cfg, device, attention, precision);  // resumed at the end already
   summary.eval_loss = *eval_loss;
   summary.memory_table = monitor.summary_table();
   summary.memory_source = probe->source();

@@ -1,0 +1,100 @@
+#include "model/checkpointing.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "device/autocast_adapter.h"
+#include "util/error.h"
+
+namespace headroom {
+
+std::string CheckpointPolicy::name() const {
+  switch (kind) {
+    case Kind::none: return "none";
+    case Kind::selective: return "selective";
+    case Kind::every: return "every:" + std::to_string(every);
+    case Kind::full: return "full";
+  }
+  return "?";
+}
+
+CheckpointPolicy parse_checkpoint_policy(const std::string& text) {
+  CheckpointPolicy p;
+  if (text == "none") return p;
+  if (text == "selective") {
+    p.kind = CheckpointPolicy::Kind::selective;
+    return p;
+  }
+  if (text == "full") {
+    p.kind = CheckpointPolicy::Kind::full;
+    return p;
+  }
+  if (text.rfind("every:", 0) == 0) {
+    try {
+      size_t used = 0;
+      p.every = std::stoll(text.substr(6), &used);
+      if (used == text.size() - 6 && p.every >= 1) {
+        p.kind = CheckpointPolicy::Kind::every;
+        return p;
+      }
+    } catch (const std::exception&) {
+    }
+  }
+  fail("--checkpointing '{}': accepted: none, selective (attention only), full (every layer), every:K "
+       "(layers 0, K, 2K, ...; K >= 1)", text);
+}
+
+namespace {
+
+// What backward needs to redo the forward: the function, and the state it ran under.
+struct Recompute : torch::CustomClassHolder {
+  std::function<at::Tensor(const at::Tensor&)> fn;
+  c10::Device device{c10::kCPU};
+  at::Tensor rng;
+  AutocastState autocast;
+};
+
+struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                c10::intrusive_ptr<Recompute> recompute) {
+    recompute->device = x.device();
+    recompute->rng = rng_state(x.device());
+    recompute->autocast = autocast_state(x.device().type());
+    at::Tensor y;
+    {
+      c10::NoGradGuard no_grad;
+      y = recompute->fn(x);
+    }
+    ctx->save_for_backward({x});
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(recompute);
+    return {y};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+    const at::Tensor rng_now = rng_state(recompute->device);
+    set_rng_state(recompute->device, recompute->rng);
+    at::Tensor input = x.detach().requires_grad_(true);
+    {
+      c10::AutoGradMode grad_on(true);
+      AutocastScope autocast(recompute->device.type(), recompute->autocast);
+      at::Tensor y = recompute->fn(input);
+      torch::autograd::backward({y}, {grads[0]});
+    }
+    set_rng_state(recompute->device, rng_now);
+    return {input.grad(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
+  auto recompute = c10::make_intrusive<Recompute>();
+  recompute->fn = std::move(fn);
+  return CheckpointFunction::apply(x, recompute)[0];
+}
+
+}  // namespace headroom
