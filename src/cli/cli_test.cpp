@@ -67,6 +67,15 @@ TEST(Cli, BadInputGivesOneLineAndExitCode2) {
   expect_usage_error("train --attention fast", "accepted: flash");
   expect_usage_error("train --resume " + dir.path(), "no checkpoint at");
   expect_usage_error("train --bogus", "bogus");
+  expect_usage_error("train --device cuda:1abc", "cuda:1abc");
+  expect_usage_error("train --data /tmp", "'/tmp' is a directory");
+  {
+    // A file name that is not UTF-8 must still give one line and one JSON object, not a crash.
+    const Result r = run("train --json --model /tmp/\xff.json");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_EQ(lines(r.out), 1u);
+    EXPECT_TRUE(nlohmann::json::accept(r.out)) << r.out;
+  }
   expect_usage_error("frobnicate", "unknown command 'frobnicate'; commands: train");
   {
     std::ofstream f(dir.file("run.toml"));

@@ -14,6 +14,8 @@
 #include "cli/train_command.h"
 #include "memory/oom_report.h"
 #include "util/error.h"
+#include "util/files.h"
+#include "util/json.h"
 
 namespace {
 
@@ -24,11 +26,9 @@ bool wants_json(int argc, char** argv) {
   return false;
 }
 
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
 int report(bool json, int code, const std::string& kind, const std::string& message) {
   fmt::print(stderr, "headroom: {}: {}\n", kind, message);
-  if (json) fmt::print("{}\n", nlohmann::json({{"error", message}, {"kind", kind}, {"exit_code", code}}).dump());
+  if (json) fmt::print("{}\n", headroom::dump_json({{"error", message}, {"kind", kind}, {"exit_code", code}}));
   return code;
 }
 
@@ -68,9 +68,8 @@ int main(int argc, char** argv) {
   } catch (const OutOfMemory& e) {
     fmt::print(stderr, "headroom: {}\n", e.report().to_text());
     if (json) {
-      fmt::print("{}\n", nlohmann::json({{"error", e.report().message}, {"kind", "out of memory"},
-                                         {"exit_code", kExitOom}, {"oom", e.report().to_json()}})
-                             .dump());
+      fmt::print("{}\n", dump_json({{"error", e.report().message}, {"kind", "out of memory"},
+                                    {"exit_code", kExitOom}, {"oom", e.report().to_json()}}));
     }
     return kExitOom;
   } catch (const c10::OutOfMemoryError& e) {

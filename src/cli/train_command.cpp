@@ -9,6 +9,7 @@
 
 #include "train/run_config.h"
 #include "train/trainer.h"
+#include "util/json.h"
 #include "util/size.h"
 
 namespace headroom {
@@ -65,7 +66,7 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
                                     {"final_loss", s.final_loss}, {"eval_loss", s.eval_loss},
                                     {"tokens_per_s", s.tokens_per_s}, {"peak_bytes", s.peak_bytes},
                                     {"seconds", s.seconds},       {"device", s.device}};
-        fmt::print("{}\n", out.dump());
+        fmt::print("{}\n", dump_json(out));
       } else if (!cfg.quiet) {
         fmt::print(stderr, "\nmemory by phase, at each phase's highest peak — {}:\n{}\n", s.memory_source,
                    s.memory_table);

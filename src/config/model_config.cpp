@@ -3,12 +3,15 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <fstream>
+#include <sys/stat.h>
+
+#include <cmath>
 #include <set>
-#include <sstream>
 
 #include "data/embedded.h"
 #include "util/error.h"
+#include "util/files.h"
+#include "util/json.h"
 
 namespace headroom {
 namespace {
@@ -26,6 +29,11 @@ class FieldReader {
     used_.insert(key);
     return j_.contains(key) && !j_.at(key).is_null();
   }
+  // Present at all, null included.
+  bool present(const std::string& key) {
+    used_.insert(key);
+    return j_.contains(key);
+  }
   int64_t integer(const std::string& key) {
     if (!has(key)) fail("{}: missing field '{}' (required for model_type '{}')", origin_, key, type_);
     return as_int(key);
@@ -36,19 +44,19 @@ class FieldReader {
   double number_or(const std::string& key, double fallback) {
     if (!has(key)) return fallback;
     const json& v = j_.at(key);
-    if (!v.is_number()) fail("{}: field '{}' must be a number, got {}", origin_, key, v.dump());
+    if (!v.is_number()) fail("{}: field '{}' must be a number, got {}", origin_, key, dump_json(v));
     return v.get<double>();
   }
   bool boolean_or(const std::string& key, bool fallback) {
     if (!has(key)) return fallback;
     const json& v = j_.at(key);
-    if (!v.is_boolean()) fail("{}: field '{}' must be true or false, got {}", origin_, key, v.dump());
+    if (!v.is_boolean()) fail("{}: field '{}' must be true or false, got {}", origin_, key, dump_json(v));
     return v.get<bool>();
   }
   std::string string_or(const std::string& key, const std::string& fallback) {
     if (!has(key)) return fallback;
     const json& v = j_.at(key);
-    if (!v.is_string()) fail("{}: field '{}' must be a string, got {}", origin_, key, v.dump());
+    if (!v.is_string()) fail("{}: field '{}' must be a string, got {}", origin_, key, dump_json(v));
     return v.get<std::string>();
   }
   const json& raw(const std::string& key) {
@@ -61,9 +69,11 @@ class FieldReader {
   int64_t as_int(const std::string& key) {
     const json& v = j_.at(key);
     if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
-      return static_cast<int64_t>(v.get<double>());
-    fail("{}: field '{}' must be an integer, got {}", origin_, key, v.dump());
+    if (v.is_number_float()) {
+      const double d = v.get<double>();
+      if (std::abs(d) < 9e18 && d == std::floor(d)) return static_cast<int64_t>(d);
+    }
+    fail("{}: field '{}' must be an integer, got {}", origin_, key, dump_json(v));
   }
 
   const json& j_;
@@ -85,18 +95,33 @@ void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin
   if (!r.has("rope_scaling")) return;
   const json& s = r.raw("rope_scaling");
   if (!s.is_object()) fail("{}: field 'rope_scaling' must be an object or null", origin);
-  std::string type = s.value("rope_type", s.value("type", std::string("default")));
+  auto number = [&](const char* key, double fallback) {
+    if (!s.contains(key) || s.at(key).is_null()) return fallback;
+    if (!s.at(key).is_number()) fail("{}: rope_scaling.{} must be a number, got {}", origin, key, dump_json(s.at(key)));
+    return s.at(key).get<double>();
+  };
+  const char* type_key = s.contains("rope_type") ? "rope_type" : "type";
+  std::string type = "default";
+  if (s.contains(type_key)) {
+    if (!s.at(type_key).is_string()) fail("{}: rope_scaling.{} must be a string", origin, type_key);
+    type = s.at(type_key).get<std::string>();
+  }
   if (type == "default") return;
   if (type != "llama3" && type != "linear") {
     fail("{}: rope_scaling type '{}' is not supported; accepted: default, linear, llama3", origin, type);
   }
   RopeScaling rs;
   rs.type = type;
-  rs.factor = s.value("factor", 1.0);
-  rs.low_freq_factor = s.value("low_freq_factor", 1.0);
-  rs.high_freq_factor = s.value("high_freq_factor", 4.0);
-  rs.original_max_positions = s.value("original_max_position_embeddings", int64_t{8192});
-  if (rs.factor <= 0) fail("{}: rope_scaling.factor must be positive", origin);
+  rs.factor = number("factor", 1.0);
+  rs.low_freq_factor = number("low_freq_factor", 1.0);
+  rs.high_freq_factor = number("high_freq_factor", 4.0);
+  const double original = number("original_max_position_embeddings", 8192);
+  if (rs.factor <= 0) fail("{}: rope_scaling.factor must be positive, got {}", origin, rs.factor);
+  if (type == "llama3" && (rs.low_freq_factor <= 0 || rs.high_freq_factor <= rs.low_freq_factor || original < 1)) {
+    fail("{}: rope_scaling (llama3) needs 0 < low_freq_factor < high_freq_factor and "
+         "original_max_position_embeddings >= 1", origin);
+  }
+  rs.original_max_positions = static_cast<int64_t>(std::min(original, 1e9));
   c.rope_scaling = rs;
 }
 
@@ -126,12 +151,19 @@ void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) 
       c.mlp_bias = r.boolean_or("mlp_bias", false);
       break;
     case Family::mistral:
-      if (r.has("sliding_window")) c.sliding_window = r.integer("sliding_window");
+      // MistralConfig: a missing sliding_window means its default, 4096; an explicit null means none.
+      if (r.has("sliding_window")) {
+        c.sliding_window = r.integer("sliding_window");
+      } else if (!r.present("sliding_window")) {
+        c.sliding_window = 4096;
+      }
       break;
     case Family::qwen2:
       c.qkv_bias = true;  // Qwen2Attention: q/k/v carry a bias, o_proj does not
+      // Qwen2: the window applies to layers from max_window_layers on, and only when enabled.
       if (r.boolean_or("use_sliding_window", false) && r.has("sliding_window")) {
         c.sliding_window = r.integer("sliding_window");
+        c.window_from_layer = r.integer_or("max_window_layers", 28);
       }
       break;
     default:
@@ -161,6 +193,12 @@ void read_gpt2(FieldReader& r, ModelConfig& c, const std::string& origin) {
   c.attn_dropout = r.number_or("attn_pdrop", 0.1);
   c.resid_dropout = r.number_or("resid_pdrop", 0.1);
   c.initializer_range = r.number_or("initializer_range", 0.02);
+  // Variants of GPT-2 attention that this model does not implement: refuse rather than ignore.
+  if (r.boolean_or("scale_attn_by_inverse_layer_idx", false)) {
+    fail("{}: scale_attn_by_inverse_layer_idx = true is not supported (only false)", origin);
+  }
+  if (!r.boolean_or("scale_attn_weights", true)) fail("{}: scale_attn_weights = false is not supported", origin);
+  r.boolean_or("reorder_and_upcast_attn", false);  // numerics only: softmax is in float32 here anyway
 }
 
 void read_gpt_neox(FieldReader& r, ModelConfig& c, const std::string& origin) {
@@ -189,6 +227,7 @@ void read_gpt_neox(FieldReader& r, ModelConfig& c, const std::string& origin) {
   c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
   c.attn_dropout = r.number_or("attention_dropout", 0.0);
   c.resid_dropout = r.number_or("hidden_dropout", 0.0);
+  c.embd_dropout = c.resid_dropout;  // GPTNeoXModel applies hidden_dropout to the embeddings too
   c.initializer_range = r.number_or("initializer_range", 0.02);
 }
 
@@ -204,6 +243,13 @@ void validate(const ModelConfig& c, const std::string& origin) {
   positive("intermediate size", c.intermediate_size);
   positive("max position embeddings", c.max_positions);
   positive("head dim", c.head_dim);
+  // A size this large cannot be meant; it would also overflow the byte arithmetic downstream.
+  if (c.vocab_size > (int64_t{1} << 24) || c.hidden_size > (int64_t{1} << 20) || c.num_layers > 10000 ||
+      c.intermediate_size > (int64_t{1} << 22) || c.num_heads > 65536 || c.num_kv_heads > c.num_heads ||
+      c.head_dim > 65536 || c.max_positions > (int64_t{1} << 24)) {
+    fail("{}: sizes out of range (vocab_size <= 16M, hidden size <= 1M, layers <= 10000, intermediate size "
+         "<= 4M, heads <= 65536, key/value heads <= heads, head dim <= 65536, max positions <= 16M)", origin);
+  }
   if (c.head_dim * c.num_heads != c.hidden_size && c.family != Family::llama &&
       c.family != Family::mistral && c.family != Family::qwen2) {
     fail("{}: hidden size {} is not divisible by {} attention heads", origin, c.hidden_size, c.num_heads);
@@ -222,12 +268,6 @@ void validate(const ModelConfig& c, const std::string& origin) {
   if (c.sliding_window && *c.sliding_window <= 0) {
     fail("{}: sliding_window must be positive, got {}", origin, *c.sliding_window);
   }
-  // A size this large cannot be meant; it would also overflow the byte arithmetic downstream.
-  if (c.vocab_size > (int64_t{1} << 24) || c.hidden_size > (int64_t{1} << 20) ||
-      c.num_layers > 10000 || c.intermediate_size > (int64_t{1} << 22)) {
-    fail("{}: sizes out of range (vocab_size <= 16M, hidden size <= 1M, layers <= 10000, "
-         "intermediate size <= 4M)", origin);
-  }
 }
 
 json parse_override_value(const std::string& text) {
@@ -237,12 +277,12 @@ json parse_override_value(const std::string& text) {
 }
 
 std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("--model: cannot read '{}' (not a preset name and not a readable file); presets: {}",
-                path, fmt::join(preset_names(), ", "));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    fail("--model: cannot read '{}' (not a preset name and not a readable file); presets: {}", path,
+         fmt::join(preset_names(), ", "));
+  }
+  return read_file(path, "--model");
 }
 
 }  // namespace

@@ -59,6 +59,7 @@ struct ModelConfig {
   bool parallel_residual = false;  // gpt_neox: x + attn(ln1(x)) + mlp(ln2(x))
   bool tie_word_embeddings = false;
   std::optional<int64_t> sliding_window;
+  int64_t window_from_layer = 0;  // layers with index >= this use the window (qwen2: max_window_layers)
 
   double embd_dropout = 0.0;
   double attn_dropout = 0.0;

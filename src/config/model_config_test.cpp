@@ -60,6 +60,16 @@ TEST(ModelConfig, FamiliesReadTheirOwnFields) {
   ASSERT_TRUE(llama.rope_scaling.has_value());
   EXPECT_EQ(llama.rope_scaling->type, "llama3");
   EXPECT_EQ(load_model_config("mistral-7b").sliding_window, 4096);
+  // Hugging Face's defaults: mistral without the key has a 4096 window, with null none; qwen2's
+  // window starts at max_window_layers.
+  auto no_key = nlohmann::json::parse(R"({"model_type": "mistral", "vocab_size": 256, "hidden_size": 64,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 64})");
+  EXPECT_EQ(model_config_from_json(no_key, "m").sliding_window, 4096);
+  no_key["sliding_window"] = nullptr;
+  EXPECT_FALSE(model_config_from_json(no_key, "m").sliding_window.has_value());
+  const auto windowed = load_model_config("qwen2.5-0.5b", {"use_sliding_window=true", "max_window_layers=21"});
+  EXPECT_EQ(windowed.sliding_window, 32768);
+  EXPECT_EQ(windowed.window_from_layer, 21);
 }
 
 TEST(ModelConfig, OverridesApplyAndTyposAreRefused) {
@@ -87,6 +97,13 @@ TEST(ModelConfig, BadInputGetsOneLineErrors) {
               ThrowsMessage<Error>(HasSubstr("cannot read '/nonexistent/config.json'")));
   EXPECT_THAT([] { load_model_config("tiny", {"vocab_size=\"many\""}); },
               ThrowsMessage<Error>(HasSubstr("'vocab_size' must be an integer")));
+  EXPECT_THAT([] { load_model_config("tiny", {"head_dim=4611686018427387904"}); },
+              ThrowsMessage<Error>(HasSubstr("sizes out of range")));
+  EXPECT_THAT([] { load_model_config("llama-3.2-1b", {R"(rope_scaling={"rope_type":"llama3","factor":"big"})"}); },
+              ThrowsMessage<Error>(HasSubstr("rope_scaling.factor must be a number")));
+  EXPECT_THAT([] { load_model_config("gpt2", {"scale_attn_by_inverse_layer_idx=true"}); },
+              ThrowsMessage<Error>(HasSubstr("scale_attn_by_inverse_layer_idx = true is not supported")));
+  EXPECT_THAT([] { load_model_config("/tmp"); }, ThrowsMessage<Error>(HasSubstr("'/tmp' is a directory")));
 }
 
 TEST(ModelConfig, PresetsIncludeTheBundledOnes) {

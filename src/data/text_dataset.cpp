@@ -2,11 +2,10 @@
 
 #include <ATen/ATen.h>
 
-#include <fstream>
-#include <sstream>
 
 #include "data/embedded.h"
 #include "util/error.h"
+#include "util/files.h"
 
 namespace headroom {
 namespace {
@@ -48,11 +47,7 @@ TextDataset::TextDataset(std::string_view text, std::string origin, double eval_
 
 TextDataset TextDataset::load(const std::string& path, double eval_fraction, int64_t seq_len) {
   if (path.empty()) return TextDataset(embedded_corpus(), "bundled corpus", eval_fraction, seq_len);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("--data: cannot read '{}'; give a readable text file (UTF-8 or any bytes)", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return TextDataset(ss.str(), path, eval_fraction, seq_len);
+  return TextDataset(read_file(path, "--data"), path, eval_fraction, seq_len);
 }
 
 Batch TextDataset::gather(const at::Tensor& split, const std::vector<int64_t>& offsets) const {

@@ -51,7 +51,7 @@ TEST(TextDataset, TooShortOrMissingIsAnError) {
   EXPECT_THAT([] { TextDataset("short", "tiny.txt", 0.1, 128); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("too short for --seq 128")));
   EXPECT_THAT([] { TextDataset::load("/no/such/file.txt", 0.1, 8); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("cannot read '/no/such/file.txt'")));
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("--data: cannot read '/no/such/file.txt'")));
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 
 #include <bit>
+#include <cstdio>
+#include <cstdlib>
 
 #include "util/size.h"
 
@@ -32,8 +34,14 @@ BudgetAllocator& BudgetAllocator::install() {
 }
 
 void BudgetAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
   peak_.store(live_bytes(), std::memory_order_relaxed);
   peak_seq_.store(allocation_count(), std::memory_order_relaxed);
+}
+
+void BudgetAllocator::clear_last_oom() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_oom_.reset();
 }
 
 void BudgetAllocator::set_budget(std::optional<int64_t> bytes) { budget_.store(bytes ? *bytes : -1); }
@@ -95,40 +103,54 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   if (fail_countdown_.load(std::memory_order_relaxed) > 0 && fail_countdown_.fetch_sub(1) == 1) {
     refuse(n, live_bytes(), budget_.load(), /*injected=*/true);
   }
-  const int64_t above = fail_above_.load(std::memory_order_relaxed);
-  if (above >= 0 && n > above) {
-    fail_above_.store(-1);
+  int64_t above = fail_above_.load(std::memory_order_relaxed);
+  if (above >= 0 && n > above && fail_above_.compare_exchange_strong(above, -1)) {
     refuse(n, live_bytes(), budget_.load(), /*injected=*/true);
   }
+  // Reserve the bytes before allocating, so that concurrent allocations cannot together pass the
+  // budget; give them back if the allocation does not happen.
   const int64_t cap = budget_.load(std::memory_order_relaxed);
-  if (cap >= 0 && live_bytes() + n > cap) refuse(n, live_bytes(), cap, /*injected=*/false);
-
-  c10::DataPtr inner = inner_->allocate(bytes);
+  int64_t live = live_.load(std::memory_order_relaxed);
+  do {
+    if (cap >= 0 && live + n > cap) refuse(n, live, cap, /*injected=*/false);
+  } while (!live_.compare_exchange_weak(live, live + n, std::memory_order_relaxed));
+  c10::DataPtr inner;
+  try {
+    inner = inner_->allocate(bytes);
+  } catch (...) {
+    live_.fetch_sub(n, std::memory_order_relaxed);
+    throw;
+  }
   void* ptr = inner.get();
-  if (ptr == nullptr) return inner;  // zero-byte allocations carry no memory
-  TORCH_CHECK(inner.get_context() == ptr, "BudgetAllocator: the wrapped CPU allocator uses contexts");
+  if (ptr == nullptr) {  // zero-byte allocations carry no memory
+    live_.fetch_sub(n, std::memory_order_relaxed);
+    return inner;
+  }
   AllocationRecord rec;
   rec.bytes = n;
   rec.step = step_.load(std::memory_order_relaxed);
   rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
   if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
-  {
+  try {
     std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(inner.get_context() == ptr, "BudgetAllocator: the wrapped CPU allocator uses contexts");
     if (inner_deleter_ == nullptr) inner_deleter_ = inner.get_deleter();
     TORCH_CHECK(inner.get_deleter() == inner_deleter_, "BudgetAllocator: the wrapped allocator's deleter varies");
-    rec.sequence = count_.fetch_add(1, std::memory_order_relaxed) + 1;
+    rec.sequence = count_.load(std::memory_order_relaxed) + 1;
     records_.emplace(ptr, rec);
+    count_.store(rec.sequence, std::memory_order_relaxed);
     ++histogram_[size_class(n)];
+    // Under the lock, so that the peak and the allocation that set it agree.
+    const int64_t now = live_bytes();
+    if (now > peak_.load(std::memory_order_relaxed)) {
+      peak_.store(now, std::memory_order_relaxed);
+      peak_seq_.store(rec.sequence, std::memory_order_relaxed);
+    }
+  } catch (...) {
+    live_.fetch_sub(n, std::memory_order_relaxed);
+    throw;  // `inner` still owns the memory and frees it
   }
   inner.release_context();
-  const int64_t live = live_.fetch_add(n, std::memory_order_relaxed) + n;
-  int64_t peak = peak_.load(std::memory_order_relaxed);
-  while (live > peak) {
-    if (peak_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
-      peak_seq_.store(rec.sequence, std::memory_order_relaxed);
-      break;
-    }
-  }
   return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
 }
 
@@ -140,7 +162,11 @@ void BudgetAllocator::on_free(void* ptr) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = records_.find(ptr);
-    TORCH_CHECK(it != records_.end(), "BudgetAllocator: freeing a pointer it did not allocate");
+    if (it == records_.end()) {
+      // Called from a deleter, which must not throw: a broken invariant ends the process plainly.
+      std::fprintf(stderr, "headroom: internal error: BudgetAllocator freeing %p, which it did not allocate\n", ptr);
+      std::abort();
+    }
     bytes = it->second.bytes;
     records_.erase(it);
     deleter = inner_deleter_;

@@ -82,7 +82,8 @@ class BudgetAllocator final : public c10::Allocator {
   // Peak restarts from the current live bytes.
   void reset_peak();
 
-  // nullopt: unlimited. A budget below the current live bytes only refuses new allocations.
+  // nullopt: unlimited. A budget below the current live bytes only refuses new allocations. The
+  // budget and fault injection apply only while accounting is on.
   void set_budget(std::optional<int64_t> bytes);
   std::optional<int64_t> budget() const;
 
@@ -104,6 +105,7 @@ class BudgetAllocator final : public c10::Allocator {
   std::optional<AllocationRecord> record_of(const void* ptr) const;
   std::vector<LiveAllocation> live_allocations() const;
   std::optional<OomEvent> last_oom() const;
+  void clear_last_oom();
   // Allocation counts by size class: entry k counts sizes in (2^(k-1), 2^k].
   std::array<int64_t, 48> size_histogram() const;
 

@@ -8,6 +8,8 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 
 namespace headroom {
 namespace {
@@ -91,11 +93,38 @@ TEST(BudgetAllocator, RecordsTagStepPhaseAndSizeClass) {
     a.set_budget(a.live_bytes());
     a.set_context(2, Phase::forward);
     auto no = at::empty({10}, at::kFloat);
+    ADD_FAILURE() << "a full budget accepted 40 bytes";
   } catch (const c10::OutOfMemoryError& e) {
     EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("during forward of step 3"));
   }
   a.set_budget(std::nullopt);
   a.set_context(-1, Phase::idle);
+}
+
+TEST(BudgetAllocator, ConcurrentAllocationsNeverPassTheBudget) {
+  // Four threads each take 1 MB under a 1.5 MB budget: at most one may hold it at a time.
+  auto& a = BudgetAllocator::install();
+  const int64_t base = a.live_bytes();
+  a.set_budget(base + 1'500'000);
+  std::atomic<int64_t> over{0}, granted{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 500; ++i) {
+        try {
+          auto x = at::empty({250'000}, at::kFloat);
+          granted.fetch_add(1);
+          if (a.live_bytes() > base + 1'500'000) over.fetch_add(1);
+        } catch (const c10::OutOfMemoryError&) {
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  a.set_budget(std::nullopt);
+  EXPECT_EQ(over.load(), 0);
+  EXPECT_GT(granted.load(), 0);
+  EXPECT_EQ(a.live_bytes(), base);
 }
 
 TEST(BudgetAllocator, BacktracesWhenAsked) {

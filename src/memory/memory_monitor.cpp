@@ -2,9 +2,9 @@
 
 #include <fmt/format.h>
 
-#include <unordered_set>
 
 #include "util/size.h"
+#include "util/tensor_bytes.h"
 
 namespace headroom {
 namespace {
@@ -31,17 +31,6 @@ nlohmann::json StepMemory::to_json() const {
   return j;
 }
 
-int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
-  std::unordered_set<const void*> seen;
-  int64_t bytes = 0;
-  for (const auto& t : tensors) {
-    if (!t.defined() || !t.has_storage()) continue;
-    const auto& s = t.storage();
-    if (seen.insert(s.unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(s.nbytes());
-  }
-  return bytes;
-}
-
 MemoryMonitor::MemoryMonitor(MemoryProbe& probe, TrackedTensors tracked)
     : probe_(probe), tracked_(std::move(tracked)) {}
 
@@ -61,12 +50,15 @@ void MemoryMonitor::begin_step(int64_t step) {
   in_flight_.step = step + 1;
   const int64_t known =
       storage_bytes(tracked_.weights()) + storage_bytes(tracked_.optimizer()) + storage_bytes(tracked_.gradients());
+  probe_.clear_last_oom();  // an OOM diagnosed in this step must be this step's
+  last_phase_ = Phase::idle;
   step_start_live_ = probe_.live_bytes();
   other_ = std::max<int64_t>(0, step_start_live_ - known);
 }
 
 MemoryMonitor::Scope MemoryMonitor::phase(Phase p) {
   current_ = p;
+  last_phase_ = p;
   probe_.reset_peak();
   probe_.set_context(step_, p);
   PhaseMemory& m = in_flight_.phases[index_of(p)];

@@ -56,9 +56,6 @@ struct StepMemory {
   nlohmann::json to_json() const;  // {"forward": {"live_in", "live_out", "peak", "breakdown"}, ...}
 };
 
-// Unique storage bytes of `tensors` (undefined ones skipped).
-int64_t storage_bytes(const std::vector<at::Tensor>& tensors);
-
 class MemoryMonitor {
  public:
   MemoryMonitor(MemoryProbe& probe, TrackedTensors tracked);
@@ -86,6 +83,8 @@ class MemoryMonitor {
   void abort_step();
 
   Phase current_phase() const { return current_; }
+  // The phase entered last; unlike current_phase(), still set after an exception closed it.
+  Phase last_phase() const { return last_phase_; }
   int64_t step_start_live() const { return step_start_live_; }
   int64_t current_step() const { return step_; }
 
@@ -109,6 +108,7 @@ class MemoryMonitor {
   TrackedTensors tracked_;
   int64_t step_ = -1;
   Phase current_ = Phase::idle;
+  Phase last_phase_ = Phase::idle;
   int64_t other_ = 0;
   int64_t step_start_live_ = 0;
   int64_t entry_live_ = 0;

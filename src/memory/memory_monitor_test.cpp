@@ -1,4 +1,5 @@
 #include "memory/memory_monitor.h"
+#include "util/tensor_bytes.h"
 
 #include <gtest/gtest.h>
 
@@ -34,7 +35,9 @@ TEST(MemoryMonitor, PhasePeaksAreExactAndResetPerPhase) {
   EXPECT_EQ(m.peak, base + 5000);
   EXPECT_EQ(m.peak_phase, Phase::forward);
   EXPECT_EQ(fwd.at_peak.weights, 400);
-  EXPECT_EQ(fwd.at_peak.total(), fwd.peak);
+  EXPECT_EQ(fwd.at_peak.gradients, 0);
+  EXPECT_EQ(fwd.at_peak.activations, 5000);  // the transient and the kept tensor, both live at the peak
+  EXPECT_EQ(bwd.at_peak.activations, 1040);
   EXPECT_FALSE(m.phases[0].seen);  // no data phase ran
 }
 

@@ -20,6 +20,7 @@ class CpuProbe final : public MemoryProbe {
     return r ? std::optional<uint64_t>(r->sequence) : std::nullopt;
   }
   std::optional<OomEvent> last_oom() const override { return a_.last_oom(); }
+  void clear_last_oom() override { a_.clear_last_oom(); }
   void set_budget(std::optional<int64_t> bytes) override { a_.set_budget(bytes); }
   std::optional<int64_t> budget() const override { return a_.budget(); }
   std::string source() const override { return "cpu (headroom counting allocator)"; }

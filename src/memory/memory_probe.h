@@ -32,6 +32,7 @@ class MemoryProbe {
   virtual std::optional<uint64_t> sequence_of(const void* /*ptr*/) const { return std::nullopt; }
   // The last refused allocation, where the backend knows it (cpu).
   virtual std::optional<OomEvent> last_oom() const { return std::nullopt; }
+  virtual void clear_last_oom() {}
 
   // Caps the device at `bytes` (cpu: a simulated device; cuda: a memory fraction of the card).
   virtual void set_budget(std::optional<int64_t> bytes) = 0;

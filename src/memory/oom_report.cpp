@@ -7,13 +7,20 @@
 namespace headroom {
 
 nlohmann::json OomReport::to_json() const {
-  return {{"happened", true},     {"step", step},     {"phase", std::string(phase_name(phase))},
+  return {{"happened", true},     {"step", step}, {"during_setup", during_setup},     {"phase", std::string(phase_name(phase))},
           {"requested_bytes", requested}, {"in_use_bytes", in_use}, {"budget_bytes", budget},
           {"injected", injected}, {"breakdown", breakdown.to_json()}, {"message", message},
           {"live_before_step_bytes", live_before_step}, {"live_after_cleanup_bytes", live_after_cleanup}};
 }
 
 std::string OomReport::to_text() const {
+  if (during_setup) {
+    return fmt::format("out of memory allocating the model and optimizer state, before the first step: the "
+                       "weights need {} and the optimizer state comes on top{}; a smaller model, a lighter "
+                       "optimizer, pure bf16 or a larger budget is needed\n  allocator: {}",
+                       format_bytes(breakdown.weights),
+                       budget >= 0 ? fmt::format(", within a {} budget", format_bytes(budget)) : "", message);
+  }
   std::string out = fmt::format("out of memory in {} of step {}", phase_name(phase), step);
   if (requested >= 0) out += fmt::format(": tried to allocate {}", format_bytes(requested));
   out += fmt::format(" with {} in use", format_bytes(in_use));

@@ -21,7 +21,8 @@ struct OomReport {
   int64_t in_use = 0;
   int64_t budget = -1;     // -1: none
   bool injected = false;   // a fault injected by a test, not a real shortage
-  Breakdown breakdown;     // of in_use, at the failing allocation
+  bool during_setup = false;  // allocating the model and optimizer state, before any step
+  Breakdown breakdown;     // of in_use, at the failing allocation (during setup: weights = what they need)
   int64_t live_before_step = 0;    // live bytes when the step began
   int64_t live_after_cleanup = 0;  // after the failed step's memory was released
   std::string message;     // the allocator's own one-line message

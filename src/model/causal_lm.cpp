@@ -32,6 +32,7 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   for (int64_t i = 0; i < c.num_layers; ++i) {
     Layer& l = layers_[static_cast<size_t>(i)];
     const std::string p = fmt::format("layers.{}.", i);
+    if (i >= c.window_from_layer) l.window = c.sliding_window;
     l.norm1_w = add_param(p + "input_norm.weight", {d});
     if (layer_norm) l.norm1_b = add_param(p + "input_norm.bias", {d});
     if (c.fused_qkv) {
@@ -146,7 +147,7 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const at::Te
     q = rotary_.apply(q, cos, sin);
     k = rotary_.apply(k, cos, sin);
   }
-  auto y = causal_attention(q, k, v, o.attention, o.training ? c.attn_dropout : 0.0, c.sliding_window);
+  auto y = causal_attention(q, k, v, o.attention, o.training ? c.attn_dropout : 0.0, l.window);
   y = y.transpose(1, 2).reshape({b, t, c.num_heads * hd});
   return maybe_dropout(at::linear(y, l.o_w, l.o_b), c.resid_dropout, o.training);
 }

@@ -54,6 +54,7 @@ class CausalLM {
     at::Tensor q_w, q_b, k_w, k_b, v_w, v_b;
     at::Tensor o_w, o_b;
     at::Tensor up_w, up_b, gate_w, gate_b, down_w, down_b;
+    std::optional<int64_t> window;  // sliding attention window of this layer
   };
 
   at::Tensor add_param(const std::string& name, std::vector<int64_t> shape);

@@ -2,21 +2,17 @@
 
 #include <ATen/ATen.h>
 
-#include <unordered_set>
 
 #include "optim/optimizers.h"
 #include "util/error.h"
+#include "util/tensor_bytes.h"
 
 namespace headroom {
 
 int64_t Optimizer::state_bytes() const {
-  std::unordered_set<const void*> seen;
-  int64_t bytes = 0;
-  for (const auto& s : state()) {
-    const auto& storage = s.tensor.storage();
-    if (seen.insert(storage.unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(storage.nbytes());
-  }
-  return bytes;
+  std::vector<at::Tensor> tensors;
+  for (const auto& s : state()) tensors.push_back(s.tensor);
+  return storage_bytes(tensors);
 }
 
 const char* optimizer_name(OptimizerKind kind) {

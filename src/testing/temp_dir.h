@@ -2,6 +2,7 @@
 #pragma once
 
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 
 #include <ftw.h>
@@ -13,7 +14,9 @@ class TempDir {
  public:
   TempDir() {
     std::string tmpl = (std::filesystem::temp_directory_path() / "headroom-test-XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
+    const char* made = ::mkdtemp(tmpl.data());
+    if (made == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
+    path_ = made;
   }
   // Not std::filesystem::remove_all: libtorch.so exports its own copy of that symbol, which the
   // dynamic linker binds first and which crashes (a null call) in this process.

@@ -15,6 +15,7 @@
 #include <fmt/ranges.h>
 
 #include "util/error.h"
+#include "util/json.h"
 
 namespace headroom {
 namespace {
@@ -56,6 +57,11 @@ void fsync_path(const std::string& path, int flags) {
 
 }  // namespace
 
+namespace {
+CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
+                               const std::vector<NamedTensor>& optimizer);
+}  // namespace
+
 std::string checkpoint_file(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.hrc").string(); }
 
 void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,
@@ -67,6 +73,17 @@ void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const s
   const std::string tmp_path = final_path + ".tmp";
   const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) fail("--checkpoint: cannot write '{}': {}", tmp_path, std::strerror(errno));
+  // Until the rename, a failure closes the descriptor and removes the partial file; the previous
+  // checkpoint is untouched either way.
+  struct PartialFile {
+    int fd;
+    std::string path;
+    bool done = false;
+    ~PartialFile() {
+      if (fd >= 0) ::close(fd);
+      if (!done) ::unlink(path.c_str());
+    }
+  } partial{fd, tmp_path};
 
   nlohmann::json tensors = nlohmann::json::array();
   uint64_t offset = sizeof(kMagic);
@@ -86,19 +103,33 @@ void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const s
   write_group("optimizer", optimizer);
   const nlohmann::json footer = {{"format", kFormat}, {"step", info.step}, {"seed", info.seed},
                                  {"total_steps", info.total_steps}, {"model", info.model}, {"tensors", tensors}};
-  const std::string text = footer.dump();
+  const std::string text = dump_json(footer);
   const uint64_t length = text.size();
   write_all(fd, text.data(), text.size(), tmp_path);
   write_all(fd, &length, sizeof(length), tmp_path);
   write_all(fd, kMagic, sizeof(kMagic), tmp_path);
-  if (::fsync(fd) != 0 || ::close(fd) != 0) fail("checkpoint: flushing '{}' failed: {}", tmp_path, std::strerror(errno));
+  if (::fsync(fd) != 0) fail("checkpoint: flushing '{}' failed: {}", tmp_path, std::strerror(errno));
+  partial.fd = -1;
+  if (::close(fd) != 0) fail("checkpoint: closing '{}' failed: {}", tmp_path, std::strerror(errno));
   if (std::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
     fail("checkpoint: renaming '{}' to '{}' failed: {}", tmp_path, final_path, std::strerror(errno));
   }
+  partial.done = true;
   fsync_path(dir, O_RDONLY | O_DIRECTORY);
 }
 
 CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
+                               const std::vector<NamedTensor>& optimizer) {
+  try {
+    return read_checkpoint(dir, model, optimizer);
+  } catch (const nlohmann::json::exception& e) {
+    fail("--resume: '{}' is corrupt (its header is malformed: {})", checkpoint_file(dir), e.what());
+  }
+}
+
+namespace {
+
+CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
                                const std::vector<NamedTensor>& optimizer) {
   const std::string path = checkpoint_file(dir);
   std::ifstream in(path, std::ios::binary);
@@ -165,5 +196,7 @@ CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<NamedTe
   info.model = footer.at("model");
   return info;
 }
+
+}  // namespace
 
 }  // namespace headroom

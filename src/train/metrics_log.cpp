@@ -2,10 +2,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <vector>
 
 #include "util/error.h"
+#include "util/json.h"
 
 namespace headroom {
 
@@ -16,7 +20,9 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> keep_thro
     std::string line;
     while (std::getline(old, line)) {
       const auto j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_discarded() && j.is_object() && j.value("step", int64_t{0}) <= *keep_through) kept.push_back(line);
+      // A line that is not a step record (or was cut short by a crash) is dropped.
+      if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j.at("step").is_number_integer()) continue;
+      if (j.at("step").get<int64_t>() <= *keep_through) kept.push_back(line);
     }
   }
   if (keep_through) {
@@ -26,6 +32,11 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> keep_thro
       std::ofstream t(tmp, std::ios::trunc);
       for (const auto& line : kept) t << line << '\n';
       if (!t.flush()) fail("--metrics: cannot write '{}'", tmp);
+    }
+    const int fd = ::open(tmp.c_str(), O_RDONLY);  // on disk before it replaces the old file
+    if (fd >= 0) {
+      ::fsync(fd);
+      ::close(fd);
     }
     if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("--metrics: cannot replace '{}'", path);
     out_.open(path, std::ios::app);
@@ -48,7 +59,7 @@ void MetricsLog::write(const StepRecord& r) {
   if (r.skipped) j["skipped"] = true;
   if (r.loss_scale) j["loss_scale"] = *r.loss_scale;
   if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
-  out_ << j.dump() << '\n';
+  out_ << dump_json(j) << '\n';
   out_.flush();
   if (!out_) fail("--metrics: writing '{}' failed (disk full?)", path_);
 }

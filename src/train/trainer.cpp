@@ -4,7 +4,9 @@
 #include <c10/util/Exception.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -24,6 +26,8 @@
 #include "train/metrics_log.h"
 #include "train/precision.h"
 #include "util/error.h"
+#include "util/files.h"
+#include "util/json.h"
 #include "util/size.h"
 
 namespace headroom {
@@ -58,6 +62,22 @@ double evaluate(const CausalLM& model, const TextDataset& data, const RunConfig&
   return loss_sum / static_cast<double>(tokens);
 }
 
+// The fields whose values differ between two config.json objects ("" when none), for messages.
+std::string config_difference(const nlohmann::json& a, const nlohmann::json& b) {
+  std::vector<std::string> seen, differences;
+  auto consider = [&](const std::string& key) {
+    if (key == "_source" || std::find(seen.begin(), seen.end(), key) != seen.end()) return;
+    seen.push_back(key);
+    const auto va = a.contains(key) ? a.at(key) : nlohmann::json();
+    const auto vb = b.contains(key) ? b.at(key) : nlohmann::json();
+    if (va != vb) differences.push_back(fmt::format("{}: checkpoint {}, this run {}", key, dump_json(va), dump_json(vb)));
+  };
+  for (const auto& [key, value] : a.items()) consider(key);
+  for (const auto& [key, value] : b.items()) consider(key);
+  if (differences.size() > 4) differences.resize(4);
+  return fmt::format("{}", fmt::join(differences, "; "));
+}
+
 std::vector<at::Tensor> gradients(const std::vector<NamedTensor>& params) {
   std::vector<at::Tensor> grads;
   for (const auto& p : params) {
@@ -72,9 +92,8 @@ OomReport diagnose_oom(const c10::OutOfMemoryError& e, const MemoryProbe& probe,
                        const std::vector<NamedTensor>& params) {
   OomReport r;
   r.step = monitor.current_step() + 1;
-  r.phase = monitor.current_phase();
-  const std::string what = e.what_without_backtrace();
-  r.message = what.substr(0, what.find('\n'));
+  r.phase = monitor.last_phase();
+  r.message = first_line(e.what_without_backtrace());
   r.budget = probe.budget().value_or(-1);
   r.live_before_step = monitor.step_start_live();
   if (auto event = probe.last_oom()) {
@@ -131,7 +150,19 @@ TrainSummary train(const RunConfig& cfg) {
   const auto injection = cfg.oom_injection();
   if (injection && device.is_cuda()) fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
   auto probe = make_memory_probe(device);  // on cpu: installs the counting allocator before anything
-  if (!cfg.memory_snapshot.empty()) cuda_record_memory_history(true);
+  // What this run sets process-wide (a budget, CUDA allocation history) is undone when it ends.
+  struct RunGuard {
+    MemoryProbe& probe;
+    bool history;
+    ~RunGuard() {
+      try {
+        probe.set_budget(std::nullopt);
+        if (history) cuda_record_memory_history(false);
+      } catch (...) {
+      }
+    }
+  } guard{*probe, !cfg.memory_snapshot.empty()};
+  if (guard.history) cuda_record_memory_history(true);
 
   const ModelConfig model_cfg = load_model_config(cfg.model, cfg.overrides);
   if (model_cfg.vocab_size < kByteVocabulary) {
@@ -145,12 +176,27 @@ TrainSummary train(const RunConfig& cfg) {
 
   // The budget applies from here: the model and optimizer state must fit in it too.
   probe->set_budget(cfg.budget_bytes());
-  CausalLM model(model_cfg, at::TensorOptions().dtype(parameter_dtype(precision)).device(device), cfg.seed);
+  std::optional<CausalLM> model_holder;
+  std::unique_ptr<Optimizer> optimizer;
+  try {
+    model_holder.emplace(model_cfg, at::TensorOptions().dtype(parameter_dtype(precision)).device(device), cfg.seed);
+    OptimizerOptions optimizer_options;
+    optimizer_options.weight_decay = cfg.weight_decay_value();
+    optimizer = make_optimizer(parse_optimizer(cfg.optimizer), model_holder->parameters(), optimizer_options);
+  } catch (const c10::OutOfMemoryError& e) {
+    OomReport r;
+    r.during_setup = true;
+    r.message = first_line(e.what_without_backtrace());
+    r.budget = probe->budget().value_or(-1);
+    const auto event = probe->last_oom();
+    r.in_use = event ? event->live : probe->live_bytes();
+    r.requested = event ? event->requested : -1;
+    r.breakdown.weights = count_parameters(model_cfg) * static_cast<int64_t>(c10::elementSize(parameter_dtype(precision)));
+    throw OutOfMemory(r);
+  }
+  CausalLM& model = *model_holder;
   std::optional<LossScaler> scaler;
   if (precision == Precision::fp16_mixed) scaler.emplace(device);
-  OptimizerOptions optimizer_options;
-  optimizer_options.weight_decay = cfg.weight_decay_value();
-  auto optimizer = make_optimizer(parse_optimizer(cfg.optimizer), model.parameters(), optimizer_options);
   const LrSchedule schedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
   const std::vector<NamedTensor>& params = model.parameters();
 
@@ -180,8 +226,18 @@ TrainSummary train(const RunConfig& cfg) {
       fmt::print(stderr, "note: the checkpoint's schedule was {} steps, this run's is {}; the learning rate "
                  "follows the new one\n", info.total_steps, cfg.steps);
     }
+    const std::string differs = config_difference(info.model, model_cfg.source);
+    if (!differs.empty()) {
+      fail("--resume: the checkpoint was trained with a different model config ({}); resume with the same "
+           "--model and --set", differs);
+    }
     start = info.step;
     resumed_at = start;
+    const int64_t until = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
+    if (start >= until) {
+      fail("--resume: the checkpoint is at step {}, which is already at or past --{} {}; raise it to train further",
+           start, cfg.stop_at > 0 ? "stop-at" : "steps", until);
+    }
   }
   const std::string checkpoint_dir = !cfg.checkpoint.empty() ? cfg.checkpoint : cfg.resume;
   MetricsLog metrics = cfg.metrics.empty() ? MetricsLog() : MetricsLog(cfg.metrics, resumed_at);
@@ -254,7 +310,7 @@ TrainSummary train(const RunConfig& cfg) {
         zero_grad(params);
       }
     } catch (const c10::OutOfMemoryError& e) {
-      BudgetAllocator::install().disarm();
+      if (injection) BudgetAllocator::install().disarm();
       throw OutOfMemory(diagnose_oom(e, *probe, monitor, params));
     }
     if (injection && injection->step == step + 1) BudgetAllocator::install().disarm();
@@ -277,6 +333,11 @@ TrainSummary train(const RunConfig& cfg) {
     if (scaler) rec.loss_scale = scaler->scale_value();
     rec.phases = mem.to_json();
     const bool last = step + 1 == end;
+    // The checkpoint first: a failure in evaluation must not cost the run its state.
+    if (!checkpoint_dir.empty() && (last || (cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0))) {
+      CheckpointInfo info{step + 1, cfg.seed, cfg.steps, model_cfg.source};
+      save_checkpoint(checkpoint_dir, info, params, optimizer->state());
+    }
     if (last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0)) {
       eval_loss = evaluate(model, data, cfg, device, attention, precision);
       rec.eval_loss = eval_loss;
@@ -286,11 +347,6 @@ TrainSummary train(const RunConfig& cfg) {
     peak = std::max(peak, rec.peak_bytes);
     summary.steps = step + 1;
     summary.final_loss = loss;
-
-    if (!checkpoint_dir.empty() && (last || (cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0))) {
-      CheckpointInfo info{step + 1, cfg.seed, cfg.steps, model_cfg.source};
-      save_checkpoint(checkpoint_dir, info, params, optimizer->state());
-    }
     if (!cfg.quiet && (last || seconds_since(last_print) >= 2.0 || step == start)) {
       last_print = Clock::now();
       const int64_t done = step + 1 - start;

@@ -18,6 +18,7 @@
 #include "memory/oom_report.h"
 #include "model/causal_lm.h"
 #include "testing/temp_dir.h"
+#include "util/error.h"
 
 namespace headroom {
 namespace {
@@ -194,7 +195,10 @@ TEST(TrainerMemory, AnOomInsideAStepLeavesNothingBehind) {
       EXPECT_TRUE(r.injected);
       EXPECT_EQ(r.live_before_step, kTinyLiveAfterStep) << nth;
       EXPECT_EQ(r.live_after_cleanup, kTinyLiveAfterStep) << "allocation " << nth << " in " << phase_name(r.phase);
-      EXPECT_EQ(r.breakdown.total(), r.in_use);
+      // Weights and AdamW state are as computed by hand; the corpus is "other".
+      EXPECT_EQ(r.breakdown.weights, 4 * kTinyParams);
+      EXPECT_EQ(r.breakdown.optimizer, 8 * kTinyParams + 4 * kTinyTensors);
+      EXPECT_EQ(r.breakdown.other, kCorpusBytes);
       phases.insert(std::string(phase_name(r.phase)));
     }
   }
@@ -234,6 +238,26 @@ TEST(TrainerMemory, BudgetEndsTheRunWithTheDocumentedMessage) {
     EXPECT_THAT(r.message, ::testing::MatchesRegex("CPU out of memory \\(headroom budget\\) during [a-z_]+ of step 1\\. "
                                                    "Tried to allocate .*\\. Budget 100 MiB; .* in use; .* free\\."));
   }
+}
+
+TEST(Trainer, ResumeRefusesAnotherConfigAndAFinishedRun) {
+  TempDir dir;
+  RunConfig cfg = tiny_run(2);
+  cfg.overrides = {"num_hidden_layers=1"};
+  cfg.batch = 2;
+  cfg.seq = 16;
+  cfg.checkpoint = dir.file("ckpt");
+  train(cfg);
+  RunConfig again = cfg;
+  again.checkpoint.clear();
+  again.resume = dir.file("ckpt");
+  EXPECT_THAT([&] { train(again); }, ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                                         "the checkpoint is at step 2, which is already at or past --steps 2")));
+  RunConfig other = again;
+  other.steps = 4;
+  other.overrides.push_back("rope_theta=500000");  // same shapes, different model
+  EXPECT_THAT([&] { train(other); }, ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                                         "different model config (rope_theta: checkpoint 10000.0, this run 500000)")));
 }
 
 }  // namespace
