@@ -1,0 +1,156 @@
+// The levers of the trainer, each checked against what it must preserve and what it must change:
+// accumulation and checkpointing leave the update unchanged; checkpointing and precision lower the
+// measured peak; the fp16 loss scaler skips an overflowing step and backs off.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+
+#include "testing/temp_dir.h"
+#include "train/precision.h"
+#include "train/trainer.h"
+
+namespace headroom {
+namespace {
+
+using testing::TempDir;
+
+std::vector<nlohmann::json> run_metrics(RunConfig cfg) {
+  TempDir dir;
+  cfg.metrics = dir.file("m.jsonl");
+  cfg.device = "cpu";
+  cfg.quiet = true;
+  train(cfg);
+  std::vector<nlohmann::json> out;
+  std::ifstream in(cfg.metrics);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+RunConfig small_llama() {
+  RunConfig cfg;
+  cfg.model = "tiny";
+  cfg.overrides = {"num_hidden_layers=2"};
+  cfg.steps = 2;
+  cfg.seq = 64;
+  return cfg;
+}
+
+TEST(Accumulation, MicroBatchesGiveTheFullBatchUpdate) {
+  // One global batch of 8 rows as 8x1, 4x2 and 2x4: the same loss, gradient norm and next-step loss.
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (auto [batch, accum] : {std::pair{8, 1}, std::pair{4, 2}, std::pair{2, 4}}) {
+    RunConfig cfg = small_llama();
+    cfg.batch = batch;
+    cfg.accum = accum;
+    runs.push_back(run_metrics(cfg));
+  }
+  for (size_t i = 1; i < runs.size(); ++i) {
+    EXPECT_NEAR(runs[i][0]["loss"].get<double>(), runs[0][0]["loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(runs[i][0]["grad_norm"].get<double>(), runs[0][0]["grad_norm"].get<double>(), 1e-4);
+    EXPECT_NEAR(runs[i][1]["loss"].get<double>(), runs[0][1]["loss"].get<double>(), 1e-5);
+    EXPECT_EQ(runs[i][0]["tokens"], runs[0][0]["tokens"]);
+  }
+  // Smaller micro-batches hold fewer activations at once.
+  EXPECT_LT(runs[2][0]["peak_bytes"].get<int64_t>(), runs[0][0]["peak_bytes"].get<int64_t>());
+}
+
+TEST(Checkpointing, LowersThePeakAndLeavesGradientsEqual) {
+  std::vector<int64_t> peaks;
+  double loss = 0, grad_norm = 0, next_loss = 0;
+  for (const char* policy : {"none", "selective", "every:2", "full"}) {
+    RunConfig cfg = small_llama();
+    cfg.overrides = {"num_hidden_layers=4"};
+    cfg.attention = "math";  // the score matrix makes selective's saving visible
+    cfg.checkpointing = policy;
+    const auto m = run_metrics(cfg);
+    if (peaks.empty()) {
+      loss = m[0]["loss"];
+      grad_norm = m[0]["grad_norm"];
+      next_loss = m[1]["loss"];
+    } else {
+      EXPECT_EQ(m[0]["loss"].get<double>(), loss) << policy;  // forward is unchanged
+      EXPECT_NEAR(m[0]["grad_norm"].get<double>(), grad_norm, 1e-5 * grad_norm) << policy;
+      EXPECT_NEAR(m[1]["loss"].get<double>(), next_loss, 1e-5) << policy;
+    }
+    peaks.push_back(m[1]["peak_bytes"].get<int64_t>());
+  }
+  EXPECT_LT(peaks[1], peaks[0]) << "selective";
+  EXPECT_LT(peaks[2], peaks[0]) << "every:2";
+  EXPECT_LT(peaks[3], peaks[2]) << "full";
+}
+
+TEST(Checkpointing, RecomputeReproducesDropout) {
+  // gpt2 layout with dropout 0.1 everywhere: recompute must replay the same masks.
+  double grad_norm = 0;
+  for (const char* policy : {"none", "full"}) {
+    RunConfig cfg;
+    cfg.model = "gpt2";
+    cfg.overrides = {"n_layer=2", "n_embd=64", "n_head=4", "vocab_size=256", "n_positions=64"};
+    cfg.steps = 1;
+    cfg.batch = 4;
+    cfg.seq = 32;
+    cfg.checkpointing = policy;
+    const auto m = run_metrics(cfg);
+    if (grad_norm == 0) {
+      grad_norm = m[0]["grad_norm"];
+    } else {
+      EXPECT_NEAR(m[0]["grad_norm"].get<double>(), grad_norm, 1e-5 * grad_norm);
+    }
+  }
+}
+
+TEST(Precision, MixedPrecisionHoldsLessAndStillLearns) {
+  RunConfig cfg = small_llama();
+  cfg.overrides = {"num_hidden_layers=1"};
+  cfg.batch = 8;
+  cfg.seq = 128;  // enough activations that halving them outweighs autocast's bf16 weight copies
+  cfg.steps = 3;
+  const auto fp32 = run_metrics(cfg);
+  cfg.precision = "bf16-mixed";
+  const auto bf16 = run_metrics(cfg);
+  // Activations saved in bf16 take half the bytes; weights, gradients and AdamW state stay fp32.
+  EXPECT_LT(bf16[2]["phases"]["forward"]["breakdown"]["activations"].get<int64_t>(),
+            fp32[2]["phases"]["forward"]["breakdown"]["activations"].get<int64_t>());
+  EXPECT_EQ(bf16[2]["phases"]["optimizer"]["breakdown"]["weights"], fp32[2]["phases"]["optimizer"]["breakdown"]["weights"]);
+  EXPECT_NEAR(bf16[0]["loss"].get<double>(), fp32[0]["loss"].get<double>(), 0.02);  // same model, rounding only
+  cfg.precision = "bf16";
+  const auto pure = run_metrics(cfg);
+  // Pure bf16: weights at 2 bytes a parameter.
+  EXPECT_EQ(2 * pure[2]["phases"]["optimizer"]["breakdown"]["weights"].get<int64_t>(),
+            fp32[2]["phases"]["optimizer"]["breakdown"]["weights"].get<int64_t>());
+  cfg.precision = "fp16-mixed";
+  const auto fp16 = run_metrics(cfg);
+  EXPECT_EQ(fp16[0]["loss_scale"], 65536.0);  // no overflow at the start: the scale holds
+  EXPECT_NEAR(fp16[2]["loss"].get<double>(), fp32[2]["loss"].get<double>(), 0.05);
+}
+
+TEST(LossScaler, SkipsAnOverflowingStepAndBacksOff) {
+  LossScaler scaler(at::kCPU, 1024.0, 2.0, 0.5, /*interval=*/2);
+  auto loss = at::full({}, 3.0f);
+  EXPECT_FLOAT_EQ(scaler.scale(loss).item<float>(), 3072.0f);
+  std::vector<at::Tensor> grads = {at::full({4}, 2048.0f), at::full({2}, 512.0f)};
+  EXPECT_FALSE(scaler.unscale(grads));
+  EXPECT_FLOAT_EQ(grads[0][0].item<float>(), 2.0f);  // divided by the scale
+  EXPECT_FLOAT_EQ(grads[1][0].item<float>(), 0.5f);
+  scaler.update();
+  EXPECT_EQ(scaler.scale_value(), 1024.0);  // one good step of the two needed to grow
+  grads[1][1] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(scaler.unscale(grads));
+  scaler.update();
+  EXPECT_EQ(scaler.scale_value(), 512.0);  // backed off by half
+  std::vector<at::Tensor> fine = {at::ones({2})};
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_FALSE(scaler.unscale(fine));
+    scaler.update();
+  }
+  EXPECT_EQ(scaler.scale_value(), 1024.0);  // two good steps: grown by 2
+}
+
+}  // namespace
+}  // namespace headroom
