@@ -117,7 +117,7 @@ TEST(Cli, JsonPrintsExactlyOneObjectAndTomlIsOverriddenByFlags) {
 }
 
 TEST(Cli, OutOfMemoryExitsWith3AndReportsInJson) {
-  const Result r = run("train --steps 2 --memory-budget 100MiB --json");
+  const Result r = run("train --steps 2 --memory-budget 100MiB --no-guard --json");
   EXPECT_EQ(r.code, 3) << r.err;
   EXPECT_EQ(lines(r.out), 1u);
   const auto j = nlohmann::json::parse(r.out);

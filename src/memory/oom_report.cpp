@@ -9,7 +9,7 @@ namespace headroom {
 nlohmann::json OomReport::to_json() const {
   return {{"happened", true},     {"step", step}, {"during_setup", during_setup},     {"phase", std::string(phase_name(phase))},
           {"requested_bytes", requested}, {"in_use_bytes", in_use}, {"budget_bytes", budget},
-          {"injected", injected}, {"breakdown", breakdown.to_json()}, {"message", message},
+          {"injected", injected}, {"breakdown", breakdown.to_json()}, {"message", message}, {"advice", advice},
           {"live_before_step_bytes", live_before_step}, {"live_after_cleanup_bytes", live_after_cleanup}};
 }
 
@@ -37,6 +37,7 @@ std::string OomReport::to_text() const {
   }
   out += fmt::format("\n  after releasing the failed step: {} in use ({} before it)", format_bytes(live_after_cleanup),
                      format_bytes(live_before_step));
+  if (!advice.empty()) out += "\n  " + advice;
   out += "\n  allocator: " + message;
   return out;
 }

@@ -26,6 +26,7 @@ struct OomReport {
   int64_t live_before_step = 0;    // live bytes when the step began
   int64_t live_after_cleanup = 0;  // after the failed step's memory was released
   std::string message;     // the allocator's own one-line message
+  std::string advice;      // what would make it fit, when known
 
   nlohmann::json to_json() const;
   // Several lines for a person: the facts, the breakdown, the largest category.

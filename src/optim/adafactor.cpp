@@ -45,7 +45,7 @@ class Adafactor final : public Optimizer {
     for (Slot& s : slots_) {
       const at::Tensor& g = s.param.grad();
       if (!g.defined()) continue;
-      s.step.add_(1.0);
+      advance_steps({s.step});
       const double t = s.step.item<double>();
       // beta2_t = 1 - t^decay; moments move towards the new estimate by 1 - beta2_t = t^decay.
       const double weight = std::pow(t, options_.beta2_decay);

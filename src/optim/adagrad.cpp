@@ -54,7 +54,7 @@ class Adagrad final : public Optimizer {
       steps.push_back(s.step);
     }
     if (params.empty()) return;
-    at::_foreach_add_(steps, 1.0);
+    advance_steps(steps);
     at::_fused_adagrad_(params, grads, sums, steps, lr, /*lr_decay=*/0.0, weight_decay, /*eps=*/1e-10,
                         /*maximize=*/false);
   }

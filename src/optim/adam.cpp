@@ -60,7 +60,7 @@ class Adam final : public Optimizer {
       steps.push_back(s.step);
     }
     if (params.empty()) return;
-    at::_foreach_add_(steps, 1.0);
+    advance_steps(steps);
     if (decoupled_) {
       at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, options_.beta1, options_.beta2,
                         weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);

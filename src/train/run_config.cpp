@@ -115,6 +115,9 @@ const std::vector<RunField>& run_fields() {
       text("resume", "continue from the checkpoint in this directory", &RunConfig::resume),
       integer("eval-every", "evaluate held-out loss every N steps (0: only at the end)", &RunConfig::eval_every),
       integer("eval-rows", "held-out sequences per evaluation", &RunConfig::eval_rows),
+      flag("no-guard",
+           "turn the OOM guard off: by default an OOM in a step re-runs it with half the micro-batch and "
+           "twice the accumulation (same data), down to micro-batch 1", &RunConfig::no_guard),
       flag("json", "print one JSON summary object on stdout at the end", &RunConfig::json),
       flag("quiet", "no progress lines on stderr", &RunConfig::quiet),
   };

@@ -112,6 +112,28 @@ OomReport diagnose_oom(const c10::OutOfMemoryError& e, const MemoryProbe& probe,
   return r;
 }
 
+// What would let the step fit, from what held the memory when it failed. (The estimator will
+// put numbers on each.)
+std::string oom_advice(const OomReport& r, const RunConfig& cfg, int64_t micro, bool updating) {
+  std::vector<std::string> levers;
+  const Breakdown& b = r.breakdown;
+  if (updating) levers.push_back("the optimizer update itself ran out: give it more room with a lighter optimizer");
+  if (b.activations >= std::max({b.weights, b.gradients, b.optimizer})) {
+    if (cfg.checkpointing != "full") levers.push_back("--checkpointing full (recompute activations in backward)");
+    if (cfg.precision == "fp32") levers.push_back("--precision bf16-mixed (half-size activations)");
+    if (cfg.attention == "math") levers.push_back("--attention flash (no score matrix)");
+    levers.push_back("a shorter --seq");
+  }
+  if (b.optimizer >= b.weights && cfg.optimizer != "sgd") {
+    levers.push_back("--optimizer adafactor or sgd (less optimizer state)");
+  }
+  levers.push_back("--precision bf16 (2 bytes per weight, gradient and state value)");
+  if (r.budget >= 0) levers.push_back("a larger --memory-budget");
+  std::string out = cfg.no_guard ? "the OOM guard is off (--no-guard); " : "";
+  if (!cfg.no_guard && micro == 1) out += "micro-batch 1 does not fit either; ";
+  return out + "levers that reduce this step's memory: " + fmt::format("{}", fmt::join(levers, "; "));
+}
+
 void arm_injection(const RunConfig::OomInjection& o) {
   BudgetAllocator& a = BudgetAllocator::install();
   if (o.nth > 0) {
@@ -263,6 +285,8 @@ TrainSummary train(const RunConfig& cfg) {
   std::optional<double> eval_loss;
 
   const int64_t end = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
+  const int64_t global_rows = cfg.batch * cfg.accum;  // sequences per optimizer step, fixed
+  int64_t micro = cfg.batch;                          // the guard may lower it; it stays lowered
   for (int64_t step = start; step < end; ++step) {
     const auto t0 = Clock::now();
     seed_step(cfg.seed, step);
@@ -270,14 +294,22 @@ TrainSummary train(const RunConfig& cfg) {
     double loss = 0;
     double grad_norm = 0;
     bool skipped = false;
-    monitor.begin_step(step);
+    int64_t recoveries = 0;
     if (injection && injection->step == step + 1) arm_injection(*injection);
+    // The OOM guard: an OOM before the update discards the whole accumulation window and runs the
+    // same global batch again (same rows, same order) with half the micro-batch and twice the
+    // accumulation, until micro-batch 1.
+    for (;;) {
+    monitor.begin_step(step);
+    bool updating = false;
+    const int64_t accum = (global_rows + micro - 1) / micro;
+    loss = 0;
     try {
-      for (int64_t m = 0; m < cfg.accum; ++m) {
+      for (int64_t m = 0; m < accum; ++m) {
         at::Tensor inputs, targets, micro_loss;
         {
           auto phase = monitor.phase(Phase::data);
-          const Batch b = data.train_batch(cfg.seed, step, m * cfg.batch, cfg.batch);
+          const Batch b = data.train_batch(cfg.seed, step, m * micro, std::min(micro, global_rows - m * micro));
           inputs = b.inputs.to(device);
           targets = b.targets.to(device);
         }
@@ -301,7 +333,9 @@ TrainSummary train(const RunConfig& cfg) {
         skipped = scaler && scaler->unscale(gradients(params));
         if (!skipped) {
           grad_norm = clip_grad_norm(params, cfg.grad_clip);
+          updating = true;  // from here a failure may leave parameters half-updated: not retried
           optimizer->step(lr);
+          updating = false;
         }
         if (scaler) scaler->update();
       }
@@ -309,9 +343,24 @@ TrainSummary train(const RunConfig& cfg) {
         auto phase = monitor.phase(Phase::zero_grad);
         zero_grad(params);
       }
+      break;
     } catch (const c10::OutOfMemoryError& e) {
-      if (injection) BudgetAllocator::install().disarm();
-      throw OutOfMemory(diagnose_oom(e, *probe, monitor, params));
+      OomReport report = diagnose_oom(e, *probe, monitor, params);
+      if (cfg.no_guard || updating || micro == 1) {
+        if (injection) BudgetAllocator::install().disarm();
+        report.advice = oom_advice(report, cfg, micro, updating);
+        throw OutOfMemory(report);
+      }
+      const int64_t smaller = (micro + 1) / 2;
+      if (!cfg.quiet) {
+        fmt::print(stderr, "step {}: out of memory in {} with micro-batch {} ({} in use); running the step again "
+                   "as {} x {}\n", step + 1, phase_name(report.phase), micro, format_bytes(report.in_use), smaller,
+                   (global_rows + smaller - 1) / smaller);
+      }
+      micro = smaller;
+      ++recoveries;
+      seed_step(cfg.seed, step);
+    }
     }
     if (injection && injection->step == step + 1) BudgetAllocator::install().disarm();
     if (device.is_cuda()) cuda_synchronize();
@@ -326,8 +375,9 @@ TrainSummary train(const RunConfig& cfg) {
     rec.live_bytes = probe->live_bytes();
     rec.lr = lr;
     rec.grad_norm = grad_norm;
-    rec.batch = cfg.batch;
-    rec.accum = cfg.accum;
+    rec.batch = micro;
+    rec.accum = (global_rows + micro - 1) / micro;
+    rec.oom_recoveries = recoveries;
     rec.peak_phase = std::string(phase_name(mem.peak_phase));
     rec.skipped = skipped;
     if (scaler) rec.loss_scale = scaler->scale_value();

@@ -185,6 +185,7 @@ TEST(TrainerMemory, AnOomInsideAStepLeavesNothingBehind) {
   std::set<std::string> phases;
   for (int64_t nth : {1, 2, 40, 120, 250, 300, 330}) {
     RunConfig cfg = tiny_run(3);
+    cfg.no_guard = true;
     cfg.inject_oom = fmt::format("2:{}", nth);
     try {
       train(cfg);
@@ -208,6 +209,7 @@ TEST(TrainerMemory, AnOomInsideAStepLeavesNothingBehind) {
 TEST(TrainerMemory, FaultInjectionIsReproducible) {
   auto once = [] {
     RunConfig cfg = tiny_run(2);
+    cfg.no_guard = true;
     cfg.inject_oom = "2:150";
     try {
       train(cfg);
@@ -225,6 +227,7 @@ TEST(TrainerMemory, FaultInjectionIsReproducible) {
 
 TEST(TrainerMemory, BudgetEndsTheRunWithTheDocumentedMessage) {
   RunConfig cfg = tiny_run(2);
+  cfg.no_guard = true;
   cfg.memory_budget = "100MiB";
   try {
     train(cfg);
