@@ -11,6 +11,7 @@
 #include <functional>
 #include <string>
 
+#include "cli/fit_command.h"
 #include "cli/train_command.h"
 #include "memory/oom_report.h"
 #include "util/error.h"
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
       "absorb (or with --no-guard), with a diagnosis; 4 internal error.");
   std::function<int()> run;
   add_train_command(app, run);
+  add_fit_command(app, run);
 
   const bool json = wants_json(argc, argv);
   std::vector<std::string> names;

@@ -114,7 +114,7 @@ const std::vector<RunField>& run_fields() {
               "(for time-sliced jobs; continue with --resume)", &RunConfig::stop_at),
       text("resume", "continue from the checkpoint in this directory", &RunConfig::resume),
       integer("eval-every", "evaluate held-out loss every N steps (0: only at the end)", &RunConfig::eval_every),
-      integer("eval-rows", "held-out sequences per evaluation", &RunConfig::eval_rows),
+      integer("eval-rows", "held-out sequences per evaluation (0: no evaluation)", &RunConfig::eval_rows),
       flag("no-guard",
            "turn the OOM guard off: by default an OOM in a step re-runs it with half the micro-batch and "
            "twice the accumulation (same data), down to micro-batch 1", &RunConfig::no_guard),
@@ -210,7 +210,7 @@ void validate(const RunConfig& c) {
   positive("batch", c.batch);
   positive("accum", c.accum);
   positive("seq", c.seq);
-  positive("eval-rows", c.eval_rows);
+  if (c.eval_rows < 0) fail("--eval-rows must be non-negative (0 turns evaluation off), got {}", c.eval_rows);
   if (c.batch > (int64_t{1} << 20) || c.seq > (int64_t{1} << 22) || c.accum > (int64_t{1} << 20)) {
     fail("--batch/--seq/--accum out of range (batch and accum at most 2^20, seq at most 2^22)");
   }

@@ -42,7 +42,7 @@ struct RunConfig {
   int64_t stop_at = 0;           // stop (with a checkpoint) after this step; 0: run to --steps
   std::string resume;            // directory
   int64_t eval_every = 0;        // steps; 0: only at the end
-  int64_t eval_rows = 64;        // held-out windows per evaluation
+  int64_t eval_rows = 64;        // held-out windows per evaluation; 0: none
   bool no_guard = false;  // OOM guard off: an OOM ends the run
   bool json = false;
   bool quiet = false;

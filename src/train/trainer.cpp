@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <cstdio>
 
 #include "config/model_config.h"
@@ -50,6 +51,7 @@ at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
 
 double evaluate(const CausalLM& model, const TextDataset& data, const RunConfig& cfg, const at::Device& device,
                 AttentionPath attention, Precision precision) {
+  if (cfg.eval_rows == 0) return std::numeric_limits<double>::quiet_NaN();
   c10::NoGradGuard no_grad;
   double loss_sum = 0;
   int64_t tokens = 0;

@@ -21,7 +21,7 @@ struct TrainSummary {
   int64_t params = 0;
   int64_t steps = 0;  // total optimizer steps completed, resumed ones included
   double final_loss = 0;
-  double eval_loss = 0;
+  double eval_loss = 0;      // NaN with --eval-rows 0
   double tokens_per_s = 0;  // over the steps this process ran
   int64_t peak_bytes = 0;   // over the steps this process ran
   double seconds = 0;

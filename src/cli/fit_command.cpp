@@ -1,0 +1,67 @@
+#include "cli/fit_command.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+
+#include "cli/run_flags.h"
+#include "device/cuda_adapter.h"
+#include "device/device.h"
+#include "train/batch_search.h"
+#include "util/error.h"
+#include "util/json.h"
+#include "util/size.h"
+
+namespace headroom {
+
+void add_fit_command(CLI::App& app, std::function<int()>& run) {
+  CLI::App* cmd = app.add_subcommand(
+      "fit", "Find the largest micro-batch that fits the memory budget, with real trial steps: two small\n"
+             "batches measured, the largest predicted from them, verified, then bisection if needed.\n"
+             "Exit code 3 (with max_batch 0 in --json) when not even micro-batch 1 fits.");
+  auto config = bind_run_flags(cmd);
+  auto limit = std::make_shared<int64_t>(1024);
+  cmd->add_option("--max-batch", *limit, "largest micro-batch to consider")->check(CLI::Range(1, 1 << 20));
+  cmd->callback([config, limit, &run] {
+    run = [config, limit]() -> int {
+      const RunConfig cfg = config();
+      validate(cfg);
+      int64_t budget = 0;
+      if (auto b = cfg.budget_bytes()) {
+        budget = *b;
+      } else if (resolve_device(cfg.device).is_cuda()) {
+        budget = cuda_device_memory(0).free_bytes;
+      } else {
+        fail("fit on cpu needs --memory-budget SIZE (the simulated device to fit into), e.g. --memory-budget 512MiB");
+      }
+      if (!cfg.quiet) {
+        fmt::print(stderr, "headroom fit: {} at --seq {} within {}, micro-batches 1..{}\n", cfg.model, cfg.seq,
+                   format_bytes(budget), *limit);
+      }
+      const FitResult r = search_max_batch(
+          [&](int64_t batch) {
+            const Trial t = trial_step(cfg, batch);
+            if (!cfg.quiet) {
+              fmt::print(stderr, "  trial batch {:>5}: {:<8} peak {}\n", batch, t.fits ? "fits" : "OOM",
+                         format_bytes(t.peak_bytes));
+            }
+            return t;
+          },
+          budget, *limit);
+      if (cfg.json) fmt::print("{}\n", dump_json(r.to_json()));
+      if (r.max_batch == 0) {
+        if (!cfg.quiet) {
+          fmt::print(stderr, "no micro-batch fits in {}: `headroom train --batch 1 --memory-budget {}` shows what "
+                     "holds the memory and which levers would help\n", format_bytes(budget), format_bytes(budget));
+        }
+        return kExitOom;
+      }
+      if (!cfg.json) {
+        fmt::print(stderr, "largest micro-batch that fits: {} ({} trials)\n", r.max_batch, r.log.size());
+      }
+      return 0;
+    };
+  });
+}
+
+}  // namespace headroom

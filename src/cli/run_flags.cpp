@@ -1,0 +1,54 @@
+#include "cli/run_flags.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace headroom {
+
+std::function<RunConfig()> bind_run_flags(CLI::App* cmd) {
+  struct Values {
+    std::string config_file;
+    std::map<std::string, std::string> text;
+    std::map<std::string, std::vector<std::string>> lists;
+    std::map<std::string, bool> flags;
+    std::map<std::string, CLI::Option*> options;
+  };
+  auto v = std::make_shared<Values>();
+  cmd->add_option("--config", v->config_file, "TOML run file; its keys are these flags' names, flags override it")
+      ->check(CLI::ExistingFile);
+  for (const RunField& f : run_fields()) {
+    const std::string name = "--" + f.key;
+    switch (f.kind) {
+      case RunField::Kind::flag:
+        v->options[f.key] = cmd->add_flag(name, v->flags[f.key], f.help);
+        break;
+      case RunField::Kind::list:
+        v->options[f.key] = cmd->add_option(name, v->lists[f.key], f.help)->type_name("KEY=VALUE");
+        break;
+      default:
+        v->options[f.key] = cmd->add_option(name, v->text[f.key], f.help)
+                                 ->type_name(f.kind == RunField::Kind::text      ? "TEXT"
+                                             : f.kind == RunField::Kind::integer ? "INT"
+                                                                                 : "NUMBER");
+    }
+  }
+  return [v]() {
+    RunConfig cfg;
+    if (!v->config_file.empty()) apply_toml_file(cfg, v->config_file);
+    for (const RunField& f : run_fields()) {
+      if (v->options.at(f.key)->count() == 0) continue;
+      switch (f.kind) {
+        case RunField::Kind::flag: f.set(cfg, v->flags.at(f.key) ? "true" : "false"); break;
+        case RunField::Kind::list:
+          cfg.overrides.clear();  // flags replace the file's list
+          for (const auto& item : v->lists.at(f.key)) f.set(cfg, item);
+          break;
+        default: f.set(cfg, v->text.at(f.key));
+      }
+    }
+    return cfg;
+  };
+}
+
+}  // namespace headroom

@@ -1,0 +1,18 @@
+// The run flags every training-shaped command shares (--model, --set, --batch, ..., --config
+// run.toml), bound to a CLI11 subcommand from the one field table in train/run_config.h.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <memory>
+
+#include "train/run_config.h"
+
+namespace headroom {
+
+// Adds the flags to `cmd`. After parsing, the returned function builds the RunConfig: defaults, then
+// the --config file, then the flags given.
+std::function<RunConfig()> bind_run_flags(CLI::App* cmd);
+
+}  // namespace headroom

@@ -1,0 +1,108 @@
+#include "train/batch_search.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "memory/oom_report.h"
+#include "train/trainer.h"
+#include "util/error.h"
+
+namespace headroom {
+
+nlohmann::json FitResult::to_json() const {
+  nlohmann::json entries = nlohmann::json::array();
+  for (const Trial& t : log) entries.push_back({{"batch", t.batch}, {"fits", t.fits}, {"peak_bytes", t.peak_bytes}});
+  return {{"max_batch", max_batch}, {"trials", static_cast<int64_t>(log.size())}, {"log", entries}};
+}
+
+Trial trial_step(const RunConfig& base, int64_t batch) {
+  RunConfig cfg = base;
+  cfg.batch = batch;
+  cfg.accum = 1;
+  cfg.steps = 1;
+  cfg.no_guard = true;
+  cfg.eval_rows = 0;
+  cfg.quiet = true;
+  cfg.json = false;
+  cfg.metrics.clear();
+  cfg.checkpoint.clear();
+  cfg.resume.clear();
+  cfg.stop_at = 0;
+  cfg.inject_oom.clear();
+  try {
+    const TrainSummary s = train(cfg);
+    return {batch, true, s.peak_bytes};
+  } catch (const OutOfMemory& e) {
+    const OomReport& r = e.report();
+    return {batch, false, r.in_use + std::max<int64_t>(0, r.requested)};
+  }
+}
+
+FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t limit) {
+  FitResult out;
+  std::map<int64_t, Trial> seen;
+  int64_t fits = 0, fails = limit + 1;  // invariant: `fits` fits, `fails` does not (limit + 1: untried)
+  auto run = [&](int64_t b) -> Trial {
+    auto it = seen.find(b);
+    if (it != seen.end()) return it->second;
+    out.log.push_back(trial(b));
+    const Trial& t = out.log.back();
+    if (t.fits) fits = std::max(fits, b);
+    else fails = std::min(fails, b);
+    return seen[b] = t;
+  };
+  auto finish = [&]() {
+    // The fallback: double until something fails (or the limit), then bisect between the largest
+    // batch that fitted and the smallest that did not.
+    while (fails > limit && fits > 0 && fits < limit) run(std::min(limit, fits * 2));
+    while (fails - fits > 1) run(fits + (fails - fits) / 2);
+    out.max_batch = fits;
+    return out;
+  };
+
+  // The line through two small batches. Batch 1 is avoided as a point of the line (some kernels
+  // take another path at one row), and tried only when batch 2 does not fit.
+  const int64_t lo = std::min<int64_t>(2, limit), hi = std::min<int64_t>(4, limit);
+  const Trial a = run(lo);
+  if (!a.fits) {
+    if (lo > 1) run(1);
+    return finish();
+  }
+  if (hi == lo) return finish();
+  int64_t top = hi;
+  Trial b = run(top);
+  // Memory that grows in coarse steps (allocator rounding) can look flat between small batches:
+  // double until the peak moves, so that the line has a slope.
+  while (b.fits && b.peak_bytes <= a.peak_bytes && top < limit) b = run(top = std::min(limit, top * 2));
+  if (!b.fits) return finish();
+  // Secant steps: predict from the line through the first point and the largest batch that fitted
+  // (the longer the baseline, the less rounding misleads it), verify, repeat.
+  Trial anchor = b;
+  double error = std::numeric_limits<double>::infinity();  // at the last verified prediction
+  for (int round = 0; round < 8 && fails - fits > 1; ++round) {
+    const double per_row = static_cast<double>(anchor.peak_bytes - a.peak_bytes) / static_cast<double>(anchor.batch - lo);
+    if (per_row <= 0) break;
+    const double fixed = static_cast<double>(a.peak_bytes) - per_row * static_cast<double>(lo);
+    auto predict = [&](int64_t n) { return fixed + per_row * static_cast<double>(n); };
+    int64_t guess = static_cast<int64_t>(std::floor((static_cast<double>(budget) - fixed) / per_row));
+    if (guess <= fits) {
+      // The line says the largest batch that fitted is the maximum: trust it when even twice the
+      // line's observed error leaves the next batch over the budget.
+      if (predict(fits + 1) - 2 * error > static_cast<double>(budget)) {
+        fails = fits + 1;
+        break;
+      }
+      guess = fits + 1;
+    }
+    guess = std::clamp<int64_t>(guess, fits + 1, std::min(limit, fails - 1));
+    const Trial t = run(guess);
+    if (!t.fits) break;  // the line overreached: bisect the (now short) interval
+    error = std::abs(static_cast<double>(t.peak_bytes) - predict(guess));
+    anchor = t;
+  }
+  return finish();
+}
+
+}  // namespace headroom
