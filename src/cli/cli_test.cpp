@@ -129,6 +129,23 @@ TEST(Cli, OutOfMemoryExitsWith3AndReportsInJson) {
   expect_usage_error("train --inject-oom 2", "expected STEP:N");
 }
 
+TEST(Cli, FitPrintsTheContractAndNeedsABudgetOnCpu) {
+  const Result r = run("fit --set num_hidden_layers=2 --seq 64 --memory-budget 60MiB --device cpu --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(lines(r.out), 1u);
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_GT(j["max_batch"].get<int64_t>(), 1);
+  EXPECT_EQ(j["trials"].get<size_t>(), j["log"].size());
+  for (const auto& t : j["log"]) {
+    EXPECT_TRUE(t.contains("batch") && t.contains("fits") && t.contains("peak_bytes"));
+    EXPECT_EQ(t["fits"].get<bool>(), t["batch"].get<int64_t>() <= j["max_batch"].get<int64_t>());
+  }
+  expect_usage_error("fit --device cpu", "fit on cpu needs --memory-budget SIZE");
+  const Result none = run("fit --model small --memory-budget 50MiB --device cpu --json --quiet");
+  EXPECT_EQ(none.code, 3);
+  EXPECT_EQ(nlohmann::json::parse(none.out)["max_batch"], 0);
+}
+
 TEST(Cli, HelpListsTheFlagsAndExitCodes) {
   const Result top = run("--help");
   EXPECT_EQ(top.code, 0);

@@ -154,7 +154,9 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
 }
 
-void BudgetAllocator::release(void* ptr) { g_instance->on_free(ptr); }
+void BudgetAllocator::release(void* ptr) {
+  if (ptr != nullptr) g_instance->on_free(ptr);  // raw_deallocate of a zero-byte raw_allocate
+}
 
 void BudgetAllocator::on_free(void* ptr) {
   int64_t bytes = 0;

@@ -88,9 +88,11 @@ FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t l
     auto predict = [&](int64_t n) { return fixed + per_row * static_cast<double>(n); };
     int64_t guess = static_cast<int64_t>(std::floor((static_cast<double>(budget) - fixed) / per_row));
     if (guess <= fits) {
-      // The line says the largest batch that fitted is the maximum: trust it when even twice the
-      // line's observed error leaves the next batch over the budget.
-      if (predict(fits + 1) - 2 * error > static_cast<double>(budget)) {
+      // The line says the largest batch that fitted is the maximum. The previous line missed the
+      // verified batch by `error` over (anchor - lo) rows, so this one's slope is uncertain by about
+      // error / (anchor - lo) a row: trust it when twice that still leaves the next batch over.
+      const double slope_error = error / static_cast<double>(anchor.batch - lo);
+      if (predict(fits + 1) - 2 * slope_error > static_cast<double>(budget)) {
         fails = fits + 1;
         break;
       }

@@ -7,7 +7,8 @@
 // it), predicts the largest batch under the budget from the line through them, verifies it, and
 // repeats from the line through batch 2 and the largest batch verified (a longer baseline, less
 // misled by rounding) until the line and the trials agree. A batch next to a verified one is taken
-// as failing without a trial only when the line, with twice its observed error, says so. When a
+// as failing without a trial only when the line, allowing twice the slope error it showed at the
+// verified batch, says so. When a
 // prediction fails, it bisects between the largest batch that fitted and the smallest that did not.
 // On memory that is exactly affine it takes three trials. Every trial is a real training step under
 // the budget; a failed trial leaves nothing behind (train() releases a failed step).
