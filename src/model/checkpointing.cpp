@@ -75,16 +75,23 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                                                  torch::autograd::variable_list grads) {
     const at::Tensor x = ctx->get_saved_variables()[0];
     auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
-    const at::Tensor rng_now = rng_state(recompute->device);
+    // Replay the forward's random numbers, and put the generator back afterwards, even on a throw.
+    struct RngRestore {
+      c10::Device device;
+      at::Tensor state;
+      ~RngRestore() { set_rng_state(device, state); }
+    } restore{recompute->device, rng_state(recompute->device)};
     set_rng_state(recompute->device, recompute->rng);
     at::Tensor input = x.detach().requires_grad_(true);
     {
       c10::AutoGradMode grad_on(true);
       AutocastScope autocast(recompute->device.type(), recompute->autocast);
-      at::Tensor y = recompute->fn(input);
+      // A view, not the leaf itself: autocast caches casts of leaves that require grad (meant for
+      // weights), which would make the branches that read the input share one low-precision copy
+      // and sum their gradients in low precision.
+      at::Tensor y = recompute->fn(input.view_as(input));
       torch::autograd::backward({y}, {grads[0]});
     }
-    set_rng_state(recompute->device, rng_now);
     return {input.grad(), at::Tensor()};
   }
 };
@@ -92,6 +99,9 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 }  // namespace
 
 at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
+  // The parameters fn reads are not inputs of the autograd function: if x needs no gradient the
+  // output would need none either and backward would never reach them. Run it plainly then.
+  if (!x.requires_grad()) return fn(x);
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->fn = std::move(fn);
   return CheckpointFunction::apply(x, recompute)[0];

@@ -33,7 +33,8 @@ struct CheckpointPolicy {
 CheckpointPolicy parse_checkpoint_policy(const std::string& text);
 
 // y = fn(x), recomputed in backward instead of kept. `fn` must be a pure function of x and of
-// tensors that outlive the backward pass (parameters); it is called again from backward.
+// tensors that outlive the backward pass (parameters); it is called again from backward. When x
+// does not require a gradient, fn runs plainly (not checkpointed), so parameter gradients still flow.
 at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
 
 }  // namespace headroom

@@ -41,12 +41,15 @@ class Adafactor final : public Optimizer {
 
   void step(double lr) override {
     c10::NoGradGuard no_grad;
-    const double eps1 = std::numeric_limits<float>::epsilon();
     for (Slot& s : slots_) {
+      // PyTorch's eps1 default: the machine epsilon of the parameter's dtype.
+      const double eps1 = s.param.scalar_type() == at::kBFloat16 ? 0.0078125
+                          : s.param.scalar_type() == at::kHalf   ? 0.0009765625
+                                                                 : std::numeric_limits<float>::epsilon();
       const at::Tensor& g = s.param.grad();
       if (!g.defined()) continue;
-      advance_steps({s.step});
-      const double t = s.step.item<double>();
+      const double t = s.step.item<double>() + 1.0;
+      s.step.fill_(t);  // not add_(1.0), which would allocate a scalar tensor
       // beta2_t = 1 - t^decay; moments move towards the new estimate by 1 - beta2_t = t^decay.
       const double weight = std::pow(t, options_.beta2_decay);
       const double rho = std::min(lr, 1.0 / std::sqrt(t));
@@ -55,8 +58,9 @@ class Adafactor final : public Optimizer {
       if (options_.weight_decay != 0 && decays(s.param)) s.param.mul_(1.0 - lr * options_.weight_decay);
       at::Tensor var = scratch_.narrow(0, 0, s.param.numel()).view(s.param.sizes());
       if (s.param.dim() == 2) {
-        s.row_var.lerp_(g.norm(2, {-1}, true).square_().div_(g.size(-1)), weight);
-        s.col_var.lerp_(g.norm(2, {-2}, true).square_().div_(g.size(-2)), weight);
+        // Moments in float32 whatever the gradient's dtype (pure bf16 runs).
+        s.row_var.lerp_(g.norm(2, {-1}, true, at::kFloat).square_().div_(g.size(-1)), weight);
+        s.col_var.lerp_(g.norm(2, {-2}, true, at::kFloat).square_().div_(g.size(-2)), weight);
         at::matmul_out(var, s.row_var, s.col_var);
         var.div_(s.row_var.mean({-2}, true).clamp_min_(eps1));
       } else {

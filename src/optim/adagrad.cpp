@@ -10,7 +10,7 @@ namespace {
 class Adagrad final : public FusedOptimizer {
  public:
   Adagrad(const std::vector<NamedTensor>& params, const OptimizerOptions& options)
-      : FusedOptimizer(params, {"sum", "step"},
+      : FusedOptimizer(params, {"sum", "step"}, /*step_slot=*/1,
                        [](const at::Tensor& p) {
                          return std::vector<at::Tensor>{at::zeros_like(p, at::MemoryFormat::Contiguous),
                                                         at::zeros({}, p.options().dtype(at::kFloat))};
@@ -21,7 +21,6 @@ class Adagrad final : public FusedOptimizer {
 
  private:
   void update(Batch& b, double lr, double weight_decay) override {
-    advance_steps(b.slots[1]);
     at::_fused_adagrad_(b.params, b.grads, b.slots[0], b.slots[1], lr, /*lr_decay=*/0.0, weight_decay,
                         /*eps=*/1e-10, /*maximize=*/false);
   }

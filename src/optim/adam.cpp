@@ -11,7 +11,7 @@ namespace {
 class Adam final : public FusedOptimizer {
  public:
   Adam(const std::vector<NamedTensor>& params, const OptimizerOptions& options, bool decoupled)
-      : FusedOptimizer(params, {"exp_avg", "exp_avg_sq", "step"},
+      : FusedOptimizer(params, {"exp_avg", "exp_avg_sq", "step"}, /*step_slot=*/2,
                        [](const at::Tensor& p) {
                          return std::vector<at::Tensor>{at::zeros_like(p, at::MemoryFormat::Contiguous),
                                                         at::zeros_like(p, at::MemoryFormat::Contiguous),
@@ -25,7 +25,6 @@ class Adam final : public FusedOptimizer {
 
  private:
   void update(Batch& b, double lr, double weight_decay) override {
-    advance_steps(b.slots[2]);
     if (decoupled_) {
       at::_fused_adamw_(b.params, b.grads, b.slots[0], b.slots[1], /*max_exp_avg_sqs=*/{}, b.slots[2], lr,
                         options_.beta1, options_.beta2, weight_decay, options_.eps, /*amsgrad=*/false,

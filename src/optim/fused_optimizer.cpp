@@ -6,9 +6,10 @@
 namespace headroom {
 
 FusedOptimizer::FusedOptimizer(const std::vector<NamedTensor>& params, std::vector<std::string> slots,
+                               int step_slot,
                                const std::function<std::vector<at::Tensor>(const at::Tensor&)>& make_state,
                                double weight_decay)
-    : slot_names_(std::move(slots)), weight_decay_(weight_decay) {
+    : slot_names_(std::move(slots)), step_slot_(step_slot), weight_decay_(weight_decay) {
   c10::NoGradGuard no_grad;
   for (const auto& p : params) {
     Entry e{p.name, p.tensor, make_state(p.tensor)};
@@ -22,8 +23,13 @@ void FusedOptimizer::step(double lr) {
   for (auto* group : {&decay_, &no_decay_}) {
     Batch batch;
     batch.slots.resize(slot_names_.size());
-    for (const Entry& e : *group) {
+    for (Entry& e : *group) {
       if (!e.param.grad().defined()) continue;
+      if (step_slot_ >= 0) {
+        at::Tensor& counter = e.state[static_cast<size_t>(step_slot_)];
+        if (e.steps < 0) e.steps = static_cast<int64_t>(counter.item<double>());
+        counter.fill_(static_cast<double>(++e.steps));
+      }
       batch.params.push_back(e.param);
       batch.grads.push_back(e.param.grad());
       for (size_t k = 0; k < slot_names_.size(); ++k) batch.slots[k].push_back(e.state[k]);

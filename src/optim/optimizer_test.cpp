@@ -85,6 +85,41 @@ TEST(Optimizers, StateSizesAreWhatEachMethodHolds) {
   EXPECT_EQ(make(OptimizerKind::adafactor)->working_memory()[0].numel(), 32);  // the largest parameter
 }
 
+TEST(Optimizers, EachParameterKeepsItsOwnStepCount) {
+  // b takes three steps alone, then a and b one together: a's bias correction is that of step 1,
+  // b's that of step 4 (as torch.optim counts), whatever order they sit in.
+  for (auto kind : {OptimizerKind::adam, OptimizerKind::adamw, OptimizerKind::adagrad}) {
+    auto a = at::zeros({2, 2}).requires_grad_(true);
+    auto b = at::zeros({2, 2}).requires_grad_(true);
+    auto opt = make_optimizer(kind, {{"a", a}, {"b", b}}, {});
+    for (int i = 0; i < 3; ++i) {
+      b.mutable_grad() = at::ones({2, 2});
+      opt->step(0.1);
+    }
+    a.mutable_grad() = at::ones({2, 2});
+    b.mutable_grad() = at::ones({2, 2});
+    opt->step(0.1);
+    for (const auto& s : opt->state()) {
+      if (s.name == "a.step") EXPECT_EQ(s.tensor.item<float>(), 1.0f) << optimizer_name(kind);
+      if (s.name == "b.step") EXPECT_EQ(s.tensor.item<float>(), 4.0f) << optimizer_name(kind);
+    }
+  }
+}
+
+TEST(Adafactor, RunsOnPureBf16AndVectors) {
+  auto w = at::ones({4, 3}, at::kBFloat16).requires_grad_(true);
+  auto v = at::ones({3}, at::kBFloat16).requires_grad_(true);
+  OptimizerOptions o;
+  o.weight_decay = 0.1;
+  auto opt = make_optimizer(OptimizerKind::adafactor, {{"w", w}, {"v", v}}, o);
+  w.mutable_grad() = at::full({4, 3}, 0.5, at::kBFloat16);
+  v.mutable_grad() = at::full({3}, -0.5, at::kBFloat16);
+  opt->step(0.01);
+  EXPECT_TRUE(w.isfinite().all().item<bool>());
+  EXPECT_LT(w[0][0].item<float>(), 1.0f);  // moved against the gradient
+  EXPECT_GT(v[0].item<float>(), 1.0f);
+}
+
 TEST(Optimizers, VectorsAreNotDecayed) {
   for (auto k : {OptimizerKind::sgd, OptimizerKind::adam, OptimizerKind::adamw, OptimizerKind::adagrad}) {
     auto b = at::ones({3}).requires_grad_(true);

@@ -13,19 +13,13 @@ namespace headroom {
 // Matrices decay; vectors (biases, norm weights) do not.
 inline bool decays(const at::Tensor& param) { return param.dim() >= 2; }
 
-// Advances per-parameter step counters by one without allocating: `add_(1.0)` would wrap the
-// scalar in a tensor, an allocation that could fail half-way through an update. Counters of one
-// optimizer advance together, so the first one's value stands for all.
-inline void advance_steps(const std::vector<at::Tensor>& steps) {
-  if (steps.empty()) return;
-  const double next = steps[0].item<double>() + 1.0;
-  for (const auto& s : steps) s.fill_(next);
-}
-
 // An optimizer over ATen's fused multi-tensor kernels. Each parameter has the same named state
 // slots (e.g. exp_avg, exp_avg_sq, step), allocated up front by the subclass; parameters split into
 // a decaying and a non-decaying group, and step() hands each group's parameters that have gradients,
-// with their state, to update().
+// with their state, to update(). When a slot is a step counter, step() advances each parameter's
+// own counter first (a parameter without a gradient keeps its count), with fill_ from a host-side
+// copy: add_(1.0) would wrap the scalar in a tensor, an allocation that could fail half-way through
+// an update. The host copies are read from the tensors at the first step, after any checkpoint load.
 class FusedOptimizer : public Optimizer {
  public:
   void step(double lr) override;
@@ -37,7 +31,8 @@ class FusedOptimizer : public Optimizer {
     std::vector<std::vector<at::Tensor>> slots;  // slots[k][i]: slot k of params[i]
   };
   // `slots` names the state of each parameter; `make_state` allocates it, in that order.
-  FusedOptimizer(const std::vector<NamedTensor>& params, std::vector<std::string> slots,
+  // `step_slot`: the index of the step-counter slot, or -1 when there is none.
+  FusedOptimizer(const std::vector<NamedTensor>& params, std::vector<std::string> slots, int step_slot,
                  const std::function<std::vector<at::Tensor>(const at::Tensor&)>& make_state, double weight_decay);
   virtual void update(Batch& batch, double lr, double weight_decay) = 0;
 
@@ -46,8 +41,10 @@ class FusedOptimizer : public Optimizer {
     std::string name;
     at::Tensor param;
     std::vector<at::Tensor> state;
+    int64_t steps = -1;  // host copy of the step counter; -1: not read yet
   };
   std::vector<std::string> slot_names_;
+  int step_slot_;
   double weight_decay_;
   std::vector<Entry> decay_, no_decay_;
 };

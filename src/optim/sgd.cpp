@@ -11,6 +11,7 @@ class Sgd final : public FusedOptimizer {
  public:
   Sgd(const std::vector<NamedTensor>& params, const OptimizerOptions& options, bool momentum)
       : FusedOptimizer(params, momentum ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{},
+                       /*step_slot=*/-1,
                        [momentum](const at::Tensor& p) {
                          return momentum ? std::vector<at::Tensor>{at::zeros_like(p, at::MemoryFormat::Contiguous)}
                                          : std::vector<at::Tensor>{};

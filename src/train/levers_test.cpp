@@ -85,6 +85,26 @@ TEST(Checkpointing, LowersThePeakAndLeavesGradientsEqual) {
   EXPECT_LT(peaks[3], peaks[2]) << "full";
 }
 
+TEST(Checkpointing, LeavesGradientsEqualUnderMixedPrecision) {
+  // Recompute must replay autocast exactly, and not let autocast share one bf16 copy of the
+  // recomputed input between branches.
+  double grad_norm = 0;
+  for (const char* policy : {"none", "selective", "full"}) {
+    RunConfig cfg = small_llama();
+    cfg.steps = 1;
+    cfg.batch = 2;
+    cfg.seq = 16;
+    cfg.precision = "bf16-mixed";
+    cfg.checkpointing = policy;
+    const auto m = run_metrics(cfg);
+    if (grad_norm == 0) {
+      grad_norm = m[0]["grad_norm"];
+    } else {
+      EXPECT_EQ(m[0]["grad_norm"].get<double>(), grad_norm) << policy;
+    }
+  }
+}
+
 TEST(Checkpointing, RecomputeReproducesDropout) {
   // gpt2 layout with dropout 0.1 everywhere: recompute must replay the same masks.
   double grad_norm = 0;

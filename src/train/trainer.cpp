@@ -119,7 +119,10 @@ OomReport diagnose_oom(const c10::OutOfMemoryError& e, const MemoryProbe& probe,
 std::string oom_advice(const OomReport& r, const RunConfig& cfg, int64_t micro, bool updating) {
   std::vector<std::string> levers;
   const Breakdown& b = r.breakdown;
-  if (updating) levers.push_back("the optimizer update itself ran out: give it more room with a lighter optimizer");
+  if (updating) {
+    levers.push_back("it ran out during or after the optimizer update, which cannot be run again: a lighter "
+                     "optimizer leaves the update more room");
+  }
   if (b.activations >= std::max({b.weights, b.gradients, b.optimizer})) {
     if (cfg.checkpointing != "full") levers.push_back("--checkpointing full (recompute activations in backward)");
     if (cfg.precision == "fp32") levers.push_back("--precision bf16-mixed (half-size activations)");
@@ -337,7 +340,6 @@ TrainSummary train(const RunConfig& cfg) {
           grad_norm = clip_grad_norm(params, cfg.grad_clip);
           updating = true;  // from here a failure may leave parameters half-updated: not retried
           optimizer->step(lr);
-          updating = false;
         }
         if (scaler) scaler->update();
       }
