@@ -1,15 +1,15 @@
 #include "train/trainer.h"
 
 #include <ATen/ATen.h>
-#include <c10/util/Exception.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
 #include <cstdio>
+#include <limits>
 
 #include "config/model_config.h"
 #include "data/text_dataset.h"
@@ -72,7 +72,8 @@ std::string config_difference(const nlohmann::json& a, const nlohmann::json& b) 
     seen.push_back(key);
     const auto va = a.contains(key) ? a.at(key) : nlohmann::json();
     const auto vb = b.contains(key) ? b.at(key) : nlohmann::json();
-    if (va != vb) differences.push_back(fmt::format("{}: checkpoint {}, this run {}", key, dump_json(va), dump_json(vb)));
+    if (va != vb)
+      differences.push_back(fmt::format("{}: checkpoint {}, this run {}", key, dump_json(va), dump_json(vb)));
   };
   for (const auto& [key, value] : a.items()) consider(key);
   for (const auto& [key, value] : b.items()) consider(key);
@@ -120,8 +121,9 @@ std::string oom_advice(const OomReport& r, const RunConfig& cfg, int64_t micro, 
   std::vector<std::string> levers;
   const Breakdown& b = r.breakdown;
   if (updating) {
-    levers.push_back("it ran out during or after the optimizer update, which cannot be run again: a lighter "
-                     "optimizer leaves the update more room");
+    levers.push_back(
+        "it ran out during or after the optimizer update, which cannot be run again: a lighter "
+        "optimizer leaves the update more room");
   }
   if (b.activations >= std::max({b.weights, b.gradients, b.optimizer})) {
     if (cfg.checkpointing != "full") levers.push_back("--checkpointing full (recompute activations in backward)");
@@ -171,8 +173,9 @@ TrainSummary train(const RunConfig& cfg) {
   const Precision precision = parse_precision(cfg.precision);
   const ForwardOptions train_forward{attention, /*training=*/true, parse_checkpoint_policy(cfg.checkpointing)};
   if (!cfg.memory_snapshot.empty() && !device.is_cuda()) {
-    fail("--memory-snapshot needs --device cuda (it is PyTorch's CUDA allocator history); on cpu the metrics "
-         "JSONL has the per-phase memory");
+    fail(
+        "--memory-snapshot needs --device cuda (it is PyTorch's CUDA allocator history); on cpu the metrics "
+        "JSONL has the per-phase memory");
   }
   const auto injection = cfg.oom_injection();
   if (injection && device.is_cuda()) fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
@@ -193,8 +196,8 @@ TrainSummary train(const RunConfig& cfg) {
 
   const ModelConfig model_cfg = load_model_config(cfg.model, cfg.overrides);
   if (model_cfg.vocab_size < kByteVocabulary) {
-    fail("{}: vocab_size {} is smaller than the byte tokenizer's {}; set --set vocab_size=256 or more",
-         model_cfg.name, model_cfg.vocab_size, kByteVocabulary);
+    fail("{}: vocab_size {} is smaller than the byte tokenizer's {}; set --set vocab_size=256 or more", model_cfg.name,
+         model_cfg.vocab_size, kByteVocabulary);
   }
   if (cfg.seq > model_cfg.max_positions) {
     fail("--seq {} exceeds {}'s max_position_embeddings {}", cfg.seq, model_cfg.name, model_cfg.max_positions);
@@ -218,7 +221,8 @@ TrainSummary train(const RunConfig& cfg) {
     const auto event = probe->last_oom();
     r.in_use = event ? event->live : probe->live_bytes();
     r.requested = event ? event->requested : -1;
-    r.breakdown.weights = count_parameters(model_cfg) * static_cast<int64_t>(c10::elementSize(parameter_dtype(precision)));
+    r.breakdown.weights =
+        count_parameters(model_cfg) * static_cast<int64_t>(c10::elementSize(parameter_dtype(precision)));
     throw OutOfMemory(r);
   }
   CausalLM& model = *model_holder;
@@ -227,19 +231,18 @@ TrainSummary train(const RunConfig& cfg) {
   const LrSchedule schedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
   const std::vector<NamedTensor>& params = model.parameters();
 
-  MemoryMonitor monitor(*probe, TrackedTensors{
-      [&] { return model.parameter_tensors(); },
-      [&] {
-        std::vector<at::Tensor> grads;
-        for (const auto& p : params) grads.push_back(p.tensor.grad());
-        return grads;
-      },
-      [&] {
-        std::vector<at::Tensor> state;
-        for (const auto& s : optimizer->state()) state.push_back(s.tensor);
-        for (const auto& t : optimizer->working_memory()) state.push_back(t);
-        return state;
-      }});
+  MemoryMonitor monitor(*probe, TrackedTensors{[&] { return model.parameter_tensors(); },
+                                               [&] {
+                                                 std::vector<at::Tensor> grads;
+                                                 for (const auto& p : params) grads.push_back(p.tensor.grad());
+                                                 return grads;
+                                               },
+                                               [&] {
+                                                 std::vector<at::Tensor> state;
+                                                 for (const auto& s : optimizer->state()) state.push_back(s.tensor);
+                                                 for (const auto& t : optimizer->working_memory()) state.push_back(t);
+                                                 return state;
+                                               }});
 
   int64_t start = 0;
   std::optional<int64_t> resumed_at;
@@ -250,13 +253,17 @@ TrainSummary train(const RunConfig& cfg) {
            cfg.seed, info.seed);
     }
     if (info.total_steps != cfg.steps && !cfg.quiet) {
-      fmt::print(stderr, "note: the checkpoint's schedule was {} steps, this run's is {}; the learning rate "
-                 "follows the new one\n", info.total_steps, cfg.steps);
+      fmt::print(stderr,
+                 "note: the checkpoint's schedule was {} steps, this run's is {}; the learning rate "
+                 "follows the new one\n",
+                 info.total_steps, cfg.steps);
     }
     const std::string differs = config_difference(info.model, model_cfg.source);
     if (!differs.empty()) {
-      fail("--resume: the checkpoint was trained with a different model config ({}); resume with the same "
-           "--model and --set", differs);
+      fail(
+          "--resume: the checkpoint was trained with a different model config ({}); resume with the same "
+          "--model and --set",
+          differs);
     }
     start = info.step;
     resumed_at = start;
@@ -270,11 +277,12 @@ TrainSummary train(const RunConfig& cfg) {
   MetricsLog metrics = cfg.metrics.empty() ? MetricsLog() : MetricsLog(cfg.metrics, resumed_at);
 
   if (!cfg.quiet) {
-    fmt::print(stderr, "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {} x seq {}, "
-               "{}, {}, checkpointing {}, steps {}..{}{}\n", model_cfg.name, family_name(model_cfg.family),
-               model.num_parameters() / 1e6, device.str(), data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000,
-               cfg.batch, cfg.accum, cfg.seq, precision_name(precision), optimizer->name(), train_forward.checkpoint.name(),
-               start + 1, cfg.steps,
+    fmt::print(stderr,
+               "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {} x seq {}, "
+               "{}, {}, checkpointing {}, steps {}..{}{}\n",
+               model_cfg.name, family_name(model_cfg.family), model.num_parameters() / 1e6, device.str(), data.origin(),
+               (data.train_tokens() + data.eval_tokens()) / 1000, cfg.batch, cfg.accum, cfg.seq,
+               precision_name(precision), optimizer->name(), train_forward.checkpoint.name(), start + 1, cfg.steps,
                cfg.budget_bytes() ? fmt::format(", memory budget {}", format_bytes(*cfg.budget_bytes())) : "");
   }
 
@@ -305,66 +313,68 @@ TrainSummary train(const RunConfig& cfg) {
     // same global batch again (same rows, same order) with half the micro-batch and twice the
     // accumulation, until micro-batch 1.
     for (;;) {
-    monitor.begin_step(step);
-    bool updating = false;
-    const int64_t accum = (global_rows + micro - 1) / micro;
-    loss = 0;
-    try {
-      for (int64_t m = 0; m < accum; ++m) {
-        at::Tensor inputs, targets, micro_loss;
-        {
-          auto phase = monitor.phase(Phase::data);
-          const Batch b = data.train_batch(cfg.seed, step, m * micro, std::min(micro, global_rows - m * micro));
-          inputs = b.inputs.to(device);
-          targets = b.targets.to(device);
+      monitor.begin_step(step);
+      bool updating = false;
+      const int64_t accum = (global_rows + micro - 1) / micro;
+      loss = 0;
+      try {
+        for (int64_t m = 0; m < accum; ++m) {
+          at::Tensor inputs, targets, micro_loss;
+          {
+            auto phase = monitor.phase(Phase::data);
+            const Batch b = data.train_batch(cfg.seed, step, m * micro, std::min(micro, global_rows - m * micro));
+            inputs = b.inputs.to(device);
+            targets = b.targets.to(device);
+          }
+          {
+            auto phase = monitor.phase(Phase::forward);
+            AutocastScope autocast(device.type(), forward_autocast(precision));
+            micro_loss = token_loss(model.forward(inputs, train_forward), targets);
+          }
+          // Token-weighted: the sum over micro-batches equals the global batch's mean loss.
+          const double weight = static_cast<double>(inputs.numel()) / static_cast<double>(tokens_per_step);
+          {
+            auto phase = monitor.phase(Phase::backward);
+            at::Tensor weighted = micro_loss * weight;
+            (scaler ? scaler->scale(weighted) : weighted).backward();
+          }
+          loss += micro_loss.item<double>() * weight;
         }
         {
-          auto phase = monitor.phase(Phase::forward);
-          AutocastScope autocast(device.type(), forward_autocast(precision));
-          micro_loss = token_loss(model.forward(inputs, train_forward), targets);
+          auto phase = monitor.phase(Phase::optimizer);
+          // fp16: gradients come back to their true scale first; a step with an inf or NaN is skipped.
+          skipped = scaler && scaler->unscale(gradients(params));
+          if (!skipped) {
+            grad_norm = clip_grad_norm(params, cfg.grad_clip);
+            updating = true;  // from here a failure may leave parameters half-updated: not retried
+            optimizer->step(lr);
+          }
+          if (scaler) scaler->update();
         }
-        // Token-weighted: the sum over micro-batches equals the global batch's mean loss.
-        const double weight = static_cast<double>(inputs.numel()) / static_cast<double>(tokens_per_step);
         {
-          auto phase = monitor.phase(Phase::backward);
-          at::Tensor weighted = micro_loss * weight;
-          (scaler ? scaler->scale(weighted) : weighted).backward();
+          auto phase = monitor.phase(Phase::zero_grad);
+          zero_grad(params);
         }
-        loss += micro_loss.item<double>() * weight;
-      }
-      {
-        auto phase = monitor.phase(Phase::optimizer);
-        // fp16: gradients come back to their true scale first; a step with an inf or NaN is skipped.
-        skipped = scaler && scaler->unscale(gradients(params));
-        if (!skipped) {
-          grad_norm = clip_grad_norm(params, cfg.grad_clip);
-          updating = true;  // from here a failure may leave parameters half-updated: not retried
-          optimizer->step(lr);
+        break;
+      } catch (const c10::OutOfMemoryError& e) {
+        OomReport report = diagnose_oom(e, *probe, monitor, params);
+        if (cfg.no_guard || updating || micro == 1) {
+          if (injection) BudgetAllocator::install().disarm();
+          report.advice = oom_advice(report, cfg, micro, updating);
+          throw OutOfMemory(report);
         }
-        if (scaler) scaler->update();
+        const int64_t smaller = (micro + 1) / 2;
+        if (!cfg.quiet) {
+          fmt::print(stderr,
+                     "step {}: out of memory in {} with micro-batch {} ({} in use); running the step again "
+                     "as {} x {}\n",
+                     step + 1, phase_name(report.phase), micro, format_bytes(report.in_use), smaller,
+                     (global_rows + smaller - 1) / smaller);
+        }
+        micro = smaller;
+        ++recoveries;
+        seed_step(cfg.seed, step);
       }
-      {
-        auto phase = monitor.phase(Phase::zero_grad);
-        zero_grad(params);
-      }
-      break;
-    } catch (const c10::OutOfMemoryError& e) {
-      OomReport report = diagnose_oom(e, *probe, monitor, params);
-      if (cfg.no_guard || updating || micro == 1) {
-        if (injection) BudgetAllocator::install().disarm();
-        report.advice = oom_advice(report, cfg, micro, updating);
-        throw OutOfMemory(report);
-      }
-      const int64_t smaller = (micro + 1) / 2;
-      if (!cfg.quiet) {
-        fmt::print(stderr, "step {}: out of memory in {} with micro-batch {} ({} in use); running the step again "
-                   "as {} x {}\n", step + 1, phase_name(report.phase), micro, format_bytes(report.in_use), smaller,
-                   (global_rows + smaller - 1) / smaller);
-      }
-      micro = smaller;
-      ++recoveries;
-      seed_step(cfg.seed, step);
-    }
     }
     if (injection && injection->step == step + 1) BudgetAllocator::install().disarm();
     if (device.is_cuda()) cuda_synchronize();
@@ -407,9 +417,8 @@ TrainSummary train(const RunConfig& cfg) {
       const double tok_s = static_cast<double>(done * tokens_per_step) / train_seconds;
       const double eta = train_seconds / static_cast<double>(done) * static_cast<double>(end - step - 1);
       fmt::print(stderr, "step {:>5}/{}  loss {:.4f}{}  lr {:.2e}  {:.0f} tok/s  mem {} (peak {} in {})  eta {}\n",
-                 step + 1, cfg.steps, loss, rec.eval_loss ? fmt::format("  eval {:.4f}", *rec.eval_loss) : "",
-                 lr, tok_s, format_bytes(rec.live_bytes), format_bytes(rec.peak_bytes), rec.peak_phase,
-                 format_eta(eta));
+                 step + 1, cfg.steps, loss, rec.eval_loss ? fmt::format("  eval {:.4f}", *rec.eval_loss) : "", lr,
+                 tok_s, format_bytes(rec.live_bytes), format_bytes(rec.peak_bytes), rec.peak_phase, format_eta(eta));
     }
   }
   summary.seconds = seconds_since(run_start);
