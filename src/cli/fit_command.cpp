@@ -19,7 +19,9 @@ void add_fit_command(CLI::App& app, std::function<int()>& run) {
       "fit", "Find the largest micro-batch that fits the memory budget, with real trial steps: two small\n"
              "batches measured, the largest predicted from them, verified, then bisection if needed.\n"
              "Exit code 3 (with max_batch 0 in --json) when not even micro-batch 1 fits.");
-  auto config = bind_run_flags(cmd);
+  // What shapes a step's memory; schedule and output flags of `train` do not apply.
+  auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "attention", "precision",
+                                     "checkpointing", "optimizer", "memory-budget", "json", "quiet"});
   auto limit = std::make_shared<int64_t>(1024);
   cmd->add_option("--max-batch", *limit, "largest micro-batch to consider")->check(CLI::Range(1, 1 << 20));
   cmd->callback([config, limit, &run] {

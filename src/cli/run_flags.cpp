@@ -1,12 +1,16 @@
 #include "cli/run_flags.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
 
 namespace headroom {
 
-std::function<RunConfig()> bind_run_flags(CLI::App* cmd) {
+std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only) {
+  auto bound = [&only](const std::string& key) {
+    return only.empty() || std::find(only.begin(), only.end(), key) != only.end();
+  };
   struct Values {
     std::string config_file;
     std::map<std::string, std::string> text;
@@ -18,6 +22,7 @@ std::function<RunConfig()> bind_run_flags(CLI::App* cmd) {
   cmd->add_option("--config", v->config_file, "TOML run file; its keys are these flags' names, flags override it")
       ->check(CLI::ExistingFile);
   for (const RunField& f : run_fields()) {
+    if (!bound(f.key)) continue;
     const std::string name = "--" + f.key;
     switch (f.kind) {
       case RunField::Kind::flag:
@@ -37,7 +42,7 @@ std::function<RunConfig()> bind_run_flags(CLI::App* cmd) {
     RunConfig cfg;
     if (!v->config_file.empty()) apply_toml_file(cfg, v->config_file);
     for (const RunField& f : run_fields()) {
-      if (v->options.at(f.key)->count() == 0) continue;
+      if (!v->options.count(f.key) || v->options.at(f.key)->count() == 0) continue;
       switch (f.kind) {
         case RunField::Kind::flag: f.set(cfg, v->flags.at(f.key) ? "true" : "false"); break;
         case RunField::Kind::list:

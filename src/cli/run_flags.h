@@ -11,8 +11,9 @@
 
 namespace headroom {
 
-// Adds the flags to `cmd`. After parsing, the returned function builds the RunConfig: defaults, then
-// the --config file, then the flags given.
-std::function<RunConfig()> bind_run_flags(CLI::App* cmd);
+// Adds the flags to `cmd` — all of them, or only the keys in `only` when it is not empty (a command
+// lists just the flags it uses, so that its --help tells the truth). After parsing, the returned
+// function builds the RunConfig: defaults, then the --config file, then the flags given.
+std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only = {});
 
 }  // namespace headroom
