@@ -57,7 +57,6 @@ void MemoryMonitor::begin_step(int64_t step) {
 }
 
 MemoryMonitor::Scope MemoryMonitor::phase(Phase p) {
-  current_ = p;
   last_phase_ = p;
   probe_.reset_peak();
   probe_.set_context(step_, p);
@@ -79,7 +78,6 @@ void MemoryMonitor::exit_phase(Phase p) {
     m.at_peak = peak <= entry_live_ ? entry_breakdown_ : breakdown_at(peak, probe_.peak_sequence());
   }
   m.seen = true;
-  current_ = Phase::idle;
   probe_.set_context(step_, Phase::idle);
 }
 
@@ -120,7 +118,6 @@ StepMemory MemoryMonitor::end_step() {
 }
 
 void MemoryMonitor::abort_step() {
-  current_ = Phase::idle;
   step_ = -1;
   probe_.set_context(-1, Phase::idle);
 }

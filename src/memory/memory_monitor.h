@@ -82,8 +82,7 @@ class MemoryMonitor {
   // Abandons the step in flight (after an OOM); the phase scopes have already closed.
   void abort_step();
 
-  Phase current_phase() const { return current_; }
-  // The phase entered last; unlike current_phase(), still set after an exception closed it.
+  // The phase entered last (still set after an exception closed it: where an OOM happened).
   Phase last_phase() const { return last_phase_; }
   int64_t step_start_live() const { return step_start_live_; }
   int64_t current_step() const { return step_; }
@@ -107,7 +106,6 @@ class MemoryMonitor {
   MemoryProbe& probe_;
   TrackedTensors tracked_;
   int64_t step_ = -1;
-  Phase current_ = Phase::idle;
   Phase last_phase_ = Phase::idle;
   int64_t other_ = 0;
   int64_t step_start_live_ = 0;

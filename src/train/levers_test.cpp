@@ -10,6 +10,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "testing/jsonl.h"
 #include "testing/temp_dir.h"
 #include "train/precision.h"
 #include "train/trainer.h"
@@ -25,11 +26,7 @@ std::vector<nlohmann::json> run_metrics(RunConfig cfg) {
   cfg.device = "cpu";
   cfg.quiet = true;
   train(cfg);
-  std::vector<nlohmann::json> out;
-  std::ifstream in(cfg.metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-  return out;
+  return testing::read_jsonl(cfg.metrics);
 }
 
 RunConfig small_llama() {

@@ -14,6 +14,7 @@
 #include "memory/oom_report.h"
 #include "model/causal_lm.h"
 #include "optim/optimizer.h"
+#include "testing/jsonl.h"
 #include "testing/temp_dir.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -45,10 +46,7 @@ std::vector<at::Tensor> final_weights(const RunConfig& cfg, const std::string& d
 }
 
 nlohmann::json metrics_line(const std::string& path, int64_t step) {
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
+  for (const auto& j : testing::read_jsonl(path)) {
     if (j["step"] == step) return j;
   }
   return {};

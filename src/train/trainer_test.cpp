@@ -17,21 +17,15 @@
 #include "data/text_dataset.h"
 #include "memory/oom_report.h"
 #include "model/causal_lm.h"
+#include "testing/jsonl.h"
 #include "testing/temp_dir.h"
 #include "util/error.h"
 
 namespace headroom {
 namespace {
 
+using testing::read_jsonl;
 using testing::TempDir;
-
-std::vector<nlohmann::json> read_jsonl(const std::string& path) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
 
 // Held-out loss of the freshly initialised model, measured here, independently of train().
 double initial_eval_loss(const RunConfig& cfg) {
