@@ -11,6 +11,7 @@
 #include <functional>
 #include <string>
 
+#include "cli/estimate_command.h"
 #include "cli/fit_command.h"
 #include "cli/train_command.h"
 #include "memory/oom_report.h"
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
   std::function<int()> run;
   add_train_command(app, run);
   add_fit_command(app, run);
+  add_estimate_command(app, run);
 
   const bool json = wants_json(argc, argv);
   std::vector<std::string> names;

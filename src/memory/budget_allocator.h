@@ -89,6 +89,8 @@ class BudgetAllocator final : public c10::Allocator {
 
   // Tags later allocations (records, OOM messages).
   void set_context(int64_t step, Phase phase);
+  int64_t context_step() const { return step_.load(std::memory_order_relaxed); }
+  Phase context_phase() const { return static_cast<Phase>(phase_.load(std::memory_order_relaxed)); }
 
   // Fault injection, one-shot: the n-th allocation from now (n >= 1) fails, or the first larger
   // than `bytes`. Arming one disarms the other.

@@ -1,0 +1,85 @@
+#include "cli/estimate_command.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/run_flags.h"
+#include "data/embedded.h"
+#include "device/device.h"
+#include "estimate/estimator.h"
+#include "util/error.h"
+#include "util/json.h"
+#include "util/size.h"
+
+namespace headroom {
+namespace {
+
+int64_t corpus_bytes(const std::string& path) {
+  if (path.empty()) return static_cast<int64_t>(embedded_corpus().size());
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) fail("--data '{}': cannot read it ({})", path, ec.message());
+  return static_cast<int64_t>(size);
+}
+
+}  // namespace
+
+TrainSpec train_spec(const RunConfig& cfg) {
+  TrainSpec s;
+  s.batch = cfg.batch;
+  s.accum = cfg.accum;
+  s.seq = cfg.seq;
+  s.precision = parse_precision(cfg.precision);
+  s.optimizer = parse_optimizer(cfg.optimizer);
+  s.checkpointing = parse_checkpoint_policy(cfg.checkpointing);
+  s.attention = parse_attention_path(cfg.attention);
+  s.cuda = resolve_device(cfg.device).is_cuda();
+  s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);
+  return s;
+}
+
+void add_estimate_command(CLI::App& app, std::function<int()>& run) {
+  CLI::App* cmd = app.add_subcommand(
+      "estimate", "Predict a training step's peak memory and what it consists of, without running it.\n"
+                  "With --memory-budget, also say whether it fits (exit code 3 when it does not).");
+  auto config = bind_run_flags(cmd, {"model", "set", "data", "batch", "accum", "seq", "device", "attention",
+                                     "precision", "checkpointing", "optimizer", "memory-budget", "json", "quiet"});
+  cmd->callback([config, &run] {
+    run = [config]() -> int {
+      const RunConfig cfg = config();
+      validate(cfg);
+      const auto start = std::chrono::steady_clock::now();
+      const ModelConfig model = load_model_config(cfg.model, cfg.overrides);
+      const TrainSpec spec = train_spec(cfg);
+      const Estimate e = estimate(model, spec);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      const auto budget = cfg.budget_bytes();
+      const bool fits = !budget || e.peak_bytes <= *budget;
+      if (cfg.json) {
+        nlohmann::json j = e.to_json();
+        if (budget) {
+          j["budget_bytes"] = *budget;
+          j["fits"] = fits;
+        }
+        fmt::print("{}\n", dump_json(j));
+      } else {
+        fmt::print("{} ({}, {:.3f}B params), batch {} x accum {} x seq {}, {}, {}, checkpointing {}, attention {}, "
+                   "on {}\n\n{}",
+                   model.name, family_name(model.family), static_cast<double>(e.params) / 1e9, spec.batch, spec.accum,
+                   spec.seq, precision_name(spec.precision), optimizer_name(spec.optimizer), spec.checkpointing.name(),
+                   attention_path_name(spec.attention), spec.cuda ? "cuda" : "cpu", e.table());
+        if (budget) {
+          fmt::print("\n{} the budget of {} ({} {})\n", fits ? "fits" : "does NOT fit", format_bytes(*budget),
+                     format_bytes(fits ? *budget - e.peak_bytes : e.peak_bytes - *budget), fits ? "to spare" : "over");
+        }
+      }
+      if (!cfg.quiet) fmt::print(stderr, "\nestimated in {:.1f} ms\n", ms);
+      return fits ? 0 : kExitOom;
+    };
+  });
+}
+
+}  // namespace headroom

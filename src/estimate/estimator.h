@@ -1,0 +1,73 @@
+// Estimator — predicts a training step's peak memory without running it (lever 1, before the run).
+//
+// Not a textbook formula: the step is replayed symbolically (estimate/sim.h) operator by operator
+// as the trainer runs it — the same layers, casts and losses as model/causal_lm.cpp and
+// train/trainer.cpp — so the prediction holds what LibTorch really holds: weights, autocast's
+// low-precision weight copies, gradients as backward produces them, optimizer state, what each
+// operator saves for backward, logits and the float32 loss buffers, recompute under checkpointing,
+// and the temporaries of backward and of the optimizer step. The peak is the highest point of that
+// timeline, with its phase and what it consisted of. A 70B config takes milliseconds: no weight is
+// allocated (shapes come from a meta-device model, so they match the trainer's).
+//
+// The accuracy test (estimator_test.cpp) holds it to the budget allocator's measured peak; when the
+// model or the trainer changes and this file does not, that test fails.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "estimate/sim.h"
+#include "memory/phase.h"
+#include "model/attention.h"
+#include "model/checkpointing.h"
+#include "optim/optimizer.h"
+#include "train/precision.h"
+
+namespace headroom {
+
+struct TrainSpec {
+  int64_t batch = 8;  // micro-batch, sequences
+  int64_t accum = 1;
+  int64_t seq = 128;
+  Precision precision = Precision::fp32;
+  OptimizerKind optimizer = OptimizerKind::adamw;
+  CheckpointPolicy checkpointing;
+  AttentionPath attention = AttentionPath::flash;
+  bool cuda = false;
+  int64_t dataset_bytes = 0;  // cpu: the corpus, held in host memory as one byte per token
+};
+
+struct EstimateItem {
+  std::string name;
+  sim::Category category;
+  int64_t bytes = 0;
+  std::string formula;
+};
+
+struct Estimate {
+  std::string model;
+  int64_t params = 0;
+  int64_t peak_bytes = 0;
+  Phase peak_phase = Phase::idle;
+  std::array<int64_t, sim::kCategories> breakdown{};  // at the peak, by category
+  std::vector<EstimateItem> items;                    // at the peak, largest first
+  std::array<int64_t, 6> phase_peaks{};               // indexed by Phase
+
+  int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
+  // PRODUCT.md: {"model": {"name", "params"}, "peak_bytes", "peak_phase", "breakdown": {...}}, plus
+  // "items" (name, category, bytes, formula) and "phases" (peak per phase).
+  nlohmann::json to_json() const;
+  std::string table() const;
+};
+
+Estimate estimate(const ModelConfig& model, const TrainSpec& spec);
+
+struct RunConfig;
+// The spec of a run's flags (cli/estimate_command.cpp): on cpu the corpus's size is counted too.
+TrainSpec train_spec(const RunConfig& config);
+
+}  // namespace headroom

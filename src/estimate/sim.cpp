@@ -1,0 +1,156 @@
+#include "estimate/sim.h"
+
+#include <algorithm>
+
+namespace headroom::sim {
+
+const char* category_name(Category c) {
+  switch (c) {
+    case Category::weights: return "weights";
+    case Category::weight_copies: return "weight_copies";
+    case Category::gradients: return "gradients";
+    case Category::optimizer: return "optimizer";
+    case Category::activations: return "activations";
+    case Category::logits: return "logits";
+    case Category::loss: return "loss";
+    case Category::temporaries: return "temporaries";
+    case Category::other: return "other";
+  }
+  return "?";
+}
+
+Buffer::~Buffer() { memory_->release(id_); }
+
+int Memory::label(const std::string& name, Category category, const std::string& formula) {
+  for (size_t i = 0; i < labels_.size(); ++i) {
+    if (labels_[i].name == name) return static_cast<int>(i);
+  }
+  labels_.push_back({name, category, formula});
+  by_label_.push_back(0);
+  return static_cast<int>(labels_.size() - 1);
+}
+
+Ref Memory::allocate(int64_t bytes, int label) {
+  buffers_.push_back({bytes, label});
+  live_ += bytes;
+  by_label_[static_cast<size_t>(label)] += bytes;
+  auto& phase_peak = phase_peaks_[static_cast<size_t>(phase_)];
+  phase_peak = std::max(phase_peak, live_);
+  if (live_ > peak_.bytes) {
+    peak_.bytes = live_;
+    peak_.phase = phase_;
+    peak_.by_label = by_label_;
+  }
+  return std::make_shared<Buffer>(this, static_cast<int>(buffers_.size() - 1));
+}
+
+void Memory::relabel(const Ref& buffer, int label) {
+  Slot& s = buffers_[static_cast<size_t>(buffer->id())];
+  by_label_[static_cast<size_t>(s.label)] -= s.bytes;
+  s.label = label;
+  by_label_[static_cast<size_t>(label)] += s.bytes;
+}
+
+void Memory::release(int id) {
+  const Slot& s = buffers_[static_cast<size_t>(id)];
+  live_ -= s.bytes;
+  by_label_[static_cast<size_t>(s.label)] -= s.bytes;
+}
+
+Tensor Graph::make(int64_t numel, int elem, int label, bool requires_grad) {
+  Tensor t;
+  t.buf = mem_.allocate(numel * elem, label);
+  t.numel = numel;
+  t.elem = elem;
+  if (requires_grad && grad_mode_) {
+    t.slot = std::make_shared<GradSlot>();
+    t.slot->numel = numel;
+    t.slot->elem = elem;
+  }
+  return t;
+}
+
+Tensor Graph::alias(const Tensor& base, int64_t numel) const {
+  Tensor t = base;
+  t.numel = numel;
+  if (base.slot && grad_mode_) {
+    t.slot = std::make_shared<GradSlot>();
+    t.slot->numel = numel;
+    t.slot->elem = base.elem;
+  } else {
+    t.slot = nullptr;
+  }
+  return t;
+}
+
+int Graph::temporaries_label() {
+  if (temporaries_ < 0) {
+    temporaries_ = mem_.label("backward temporaries", Category::temporaries,
+                              "gradients of activations in flight and operator scratch");
+  }
+  return temporaries_;
+}
+
+Ref Graph::grad_for(const Tensor& input, int label) { return mem_.allocate(input.numel * input.elem, label); }
+
+Ref Graph::scratch(int64_t bytes) { return mem_.allocate(bytes, temporaries_label()); }
+
+void Graph::record(const std::vector<const Tensor*>& outputs, std::vector<Ref> saved, Backward backward) {
+  if (!grad_mode_) return;
+  Node n;
+  for (const Tensor* t : outputs) {
+    if (t->slot) n.outputs.push_back(t->slot);
+  }
+  if (n.outputs.empty()) return;
+  n.saved = std::move(saved);
+  n.backward = std::move(backward);
+  nodes_.push_back(std::move(n));
+}
+
+void Graph::accumulate(Emit e) {
+  if (!e.to || !e.grad) return;
+  GradSlot& s = *e.to;
+  if (s.grad) {
+    // Summed in place into a buffer nobody else holds (the new one goes); a shared one is replaced
+    // by the out-of-place sum.
+    if (s.grad.use_count() > 1) s.grad = mem_.allocate(s.numel * s.elem, temporaries_label());
+    return;
+  }
+  if (s.param_label >= 0) {
+    // AccumulateGrad takes over a buffer nobody else holds, and copies one that is shared.
+    if (e.grad.use_count() > 1) {
+      e.grad = mem_.allocate(s.numel * s.elem, s.param_label);
+    } else {
+      mem_.relabel(e.grad, s.param_label);
+    }
+  }
+  s.grad = std::move(e.grad);
+}
+
+void Graph::backward(const Tensor& root, Ref seed) {
+  if (!root.slot) return;
+  root.slot->grad = seed ? std::move(seed) : mem_.allocate(root.bytes(), temporaries_label());
+  std::vector<Node> nodes = std::move(nodes_);
+  nodes_.clear();
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    Node& n = *it;
+    std::vector<Ref> incoming;
+    bool any = false;
+    for (const SlotPtr& s : n.outputs) {
+      incoming.push_back(s->param_label >= 0 ? nullptr : s->grad);
+      any = any || s->grad != nullptr;
+    }
+    std::vector<Emit> out;
+    if (any) out = n.backward(incoming);
+    // The node's inputs (incoming gradients) and saved tensors go once it has run.
+    incoming.clear();
+    for (const SlotPtr& s : n.outputs) {
+      if (s->param_label < 0) s->grad.reset();
+    }
+    n.saved.clear();
+    n.backward = nullptr;
+    for (Emit& e : out) accumulate(std::move(e));
+  }
+}
+
+}  // namespace headroom::sim

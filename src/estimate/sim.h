@@ -1,0 +1,159 @@
+// sim — a symbolic replay of a training step's memory: buffers, autograd nodes and what they save.
+//
+// The estimator describes a step as LibTorch executes it — each operator allocates its outputs,
+// keeps (saves) some tensors for backward, and its backward allocates gradients and scratch — and
+// this engine plays it through: buffers are reference-counted like at::Tensor storage, backward runs
+// the nodes in reverse creation order as the autograd engine does on one device, gradients of a
+// tensor used twice are summed in place, and parameter gradients take over the first buffer they
+// receive (AccumulateGrad) and are summed into it afterwards. Nothing is computed; only sizes move.
+// The live total is tracked at every allocation, so the peak, its phase and what it consisted of
+// (bytes per label) fall out of the replay.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "memory/phase.h"
+
+namespace headroom::sim {
+
+// The breakdown categories of PRODUCT.md's estimate contract.
+enum class Category { weights, weight_copies, gradients, optimizer, activations, logits, loss, temporaries, other };
+inline constexpr int kCategories = 9;
+const char* category_name(Category c);
+
+// What a buffer is, for the table: a name, its category and the formula or reason behind its size.
+struct Label {
+  std::string name;
+  Category category;
+  std::string formula;
+};
+
+class Memory;
+
+// One allocation; freed when the last handle to it goes.
+class Buffer {
+ public:
+  Buffer(Memory* memory, int id) : memory_(memory), id_(id) {}
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+  int id() const { return id_; }
+
+ private:
+  Memory* memory_;
+  int id_;
+};
+using Ref = std::shared_ptr<Buffer>;
+
+class Memory {
+ public:
+  int label(const std::string& name, Category category, const std::string& formula = "");
+  Ref allocate(int64_t bytes, int label);
+  void relabel(const Ref& buffer, int label);
+  void set_phase(Phase phase) { phase_ = phase; }
+  Phase phase() const { return phase_; }
+
+  int64_t live() const { return live_; }
+  struct Peak {
+    int64_t bytes = 0;
+    Phase phase = Phase::idle;
+    std::vector<int64_t> by_label;
+  };
+  const Peak& peak() const { return peak_; }
+  const std::array<int64_t, 6>& phase_peaks() const { return phase_peaks_; }
+  const std::vector<Label>& labels() const { return labels_; }
+  // Bytes live now under `label`.
+  int64_t live_under(int label) const { return by_label_[static_cast<size_t>(label)]; }
+
+ private:
+  friend class Buffer;
+  void release(int id);
+
+  struct Slot {
+    int64_t bytes = 0;
+    int label = 0;
+  };
+  std::vector<Slot> buffers_;
+  std::vector<Label> labels_;
+  std::vector<int64_t> by_label_;
+  int64_t live_ = 0;
+  Phase phase_ = Phase::idle;
+  Peak peak_;
+  std::array<int64_t, 6> phase_peaks_{};
+};
+
+// Where a tensor's gradient gathers during backward.
+struct GradSlot {
+  Ref grad;
+  int64_t numel = 0;
+  int elem = 4;
+  int param_label = -1;  // >= 0: a parameter's .grad, kept across micro-batches under this label
+};
+using SlotPtr = std::shared_ptr<GradSlot>;
+
+// A tensor: a handle on a buffer (views share it), its size, and its gradient slot when it requires
+// one.
+struct Tensor {
+  Ref buf;
+  int64_t numel = 0;
+  int elem = 4;  // bytes per element
+  SlotPtr slot;  // null: no gradient
+  int64_t bytes() const { return numel * elem; }
+  bool requires_grad() const { return slot != nullptr; }
+};
+
+// A gradient a node's backward sends to one of its inputs.
+struct Emit {
+  SlotPtr to;
+  Ref grad;
+};
+
+class Graph {
+ public:
+  explicit Graph(Memory& memory) : mem_(memory) {}
+  Memory& memory() { return mem_; }
+
+  bool grad_mode() const { return grad_mode_; }
+  void set_grad_mode(bool on) { grad_mode_ = on; }
+
+  // A new buffer-backed tensor; requires grad when `requires_grad` and grad mode is on.
+  Tensor make(int64_t numel, int elem, int label, bool requires_grad);
+  // The same storage, seen under a new gradient slot (views: view, transpose, narrow as a view).
+  Tensor alias(const Tensor& base, int64_t numel) const;
+
+  // Records a backward node: `outputs` are the tensors the op produced, `saved` what it keeps, and
+  // `backward` turns the outputs' incoming gradients (same order; null when none arrived) into
+  // gradients for the inputs. Not recorded when grad mode is off or no output requires grad.
+  using Backward = std::function<std::vector<Emit>(const std::vector<Ref>& incoming)>;
+  void record(const std::vector<const Tensor*>& outputs, std::vector<Ref> saved, Backward backward);
+
+  // A gradient buffer for `input` (its size and dtype), allocated now.
+  Ref grad_for(const Tensor& input, int label);
+  Ref scratch(int64_t bytes);  // a temporary, freed by the caller dropping it
+
+  // Runs backward from `root`, seeded with `seed` (null: a new buffer of the root's size, as
+  // backward() on a scalar loss makes).
+  void backward(const Tensor& root, Ref seed = nullptr);
+  int temporaries_label();
+
+ private:
+  struct Node {
+    std::vector<SlotPtr> outputs;
+    std::vector<Ref> saved;
+    Backward backward;
+  };
+  void accumulate(Emit e);
+
+  Memory& mem_;
+  bool grad_mode_ = true;
+  std::vector<Node> nodes_;
+  int temporaries_ = -1;
+};
+
+}  // namespace headroom::sim
