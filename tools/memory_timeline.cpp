@@ -7,7 +7,9 @@
 #include <ATen/record_function.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -27,32 +29,36 @@ struct Row {
 };
 
 thread_local int depth = 0;
-thread_local int64_t live_at_start = 0;
+thread_local std::vector<int64_t> live_at_start;
+int max_depth = 1;  // HEADROOM_TIMELINE_DEPTH: nested operators to show (1: top level only)
 std::mutex rows_mutex;
 std::vector<Row> rows;
 
 bool recording() { return headroom::BudgetAllocator::install().context_step() == 1; }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
-  if (depth++ == 0 && recording()) {
+  if (depth++ < max_depth && recording()) {
     auto& a = headroom::BudgetAllocator::install();
-    live_at_start = a.live_bytes();
-    a.reset_peak();
+    live_at_start.push_back(a.live_bytes());
+    if (depth == 1) a.reset_peak();
   }
   return nullptr;
 }
 
 void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
-  if (--depth == 0 && recording()) {
+  if (--depth < max_depth && recording() && !live_at_start.empty()) {
     auto& a = headroom::BudgetAllocator::install();
     std::lock_guard lock(rows_mutex);
-    rows.push_back({fn.name(), a.context_phase(), live_at_start, a.live_bytes(), a.peak_bytes()});
+    rows.push_back({std::string(static_cast<size_t>(2 * depth), ' ') + fn.name(), a.context_phase(),
+                    live_at_start.back(), a.live_bytes(), a.peak_bytes()});
+    live_at_start.pop_back();
   }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (const char* d = std::getenv("HEADROOM_TIMELINE_DEPTH")) max_depth = std::max(1, std::atoi(d));
   headroom::RunConfig cfg;
   cfg.steps = 2;
   cfg.eval_rows = 0;

@@ -151,10 +151,12 @@ class StepSim {
     return v;
   }
 
-  Tensor rms_norm(const Tensor& x, const Param& w, const std::string& where) {
-    const int64_t rows = x.numel / c_.hidden_size;
-    const int lbl = act("norm activations", "normalised input and output per norm, B·T·hidden each");
-    // pow(x, 2) → mean → + eps → rsqrt → x * r → * weight (ATen's composite rms_norm).
+  // ATen's rms_norm: in float32 whatever the input (a 2-byte input is upcast first and the result
+  // cast back): pow → mean → + eps → rsqrt → x · r → · weight.
+  Tensor rms_norm(const Tensor& in, const Param& w) {
+    const int64_t rows = in.numel / c_.hidden_size;
+    const int lbl = act("norm activations", "per norm: float32 input and normalised input, B·T·hidden each, and the output");
+    Tensor x = cast(in, 4, lbl);
     Tensor sq = make(x.numel, x.elem, tmp_, x.requires_grad());
     g_->record({&sq}, {x.buf}, [this, x = meta(x)](const std::vector<Ref>&) {
       Ref a = g_->scratch(x.bytes()), b = g_->scratch(x.bytes());
@@ -163,24 +165,21 @@ class StepSim {
     Tensor mean = make(rows, x.elem, tmp_, x.requires_grad());
     g_->record({&mean}, {}, [this, sq = meta(sq)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(sq)}; });
     sq = Tensor{};
-    Tensor eps = make(rows, x.elem, tmp_, x.requires_grad());
-    g_->record({&eps}, {},
-               [mean = meta(mean)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(mean, in[0])}; });
+    Tensor r = make(rows, x.elem, lbl, x.requires_grad());  // rsqrt(mean + eps); the add is in place
+    g_->record({&r}, {r.buf}, [this, mean = meta(mean)](const std::vector<Ref>&) {
+      return std::vector<Emit>{grad_to(mean)};
+    });
     mean = Tensor{};
-    Tensor r = make(rows, x.elem, lbl, x.requires_grad());
-    g_->record({&r}, {r.buf},
-               [this, eps = meta(eps)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(eps)}; });
-    eps = Tensor{};
     Tensor xn = mul(x, r, lbl);
-    (void)where;
-    return mul(xn, w.t, lbl);
+    x = r = Tensor{};
+    return cast(mul(xn, w.t, lbl), in.elem, lbl);
   }
 
   Tensor layer_norm(const Tensor& x, const Param& w, const Param* b) {
     const int64_t rows = x.numel / c_.hidden_size;
     const int lbl = act("norm activations", "normalised output per norm, B·T·hidden, and mean and rstd per row");
     Tensor out = make(x.numel, x.elem, lbl);
-    Ref mean = mem_.allocate(rows * 4, lbl), rstd = mem_.allocate(rows * 4, lbl);
+    Ref mean = mem_.allocate(rows * x.elem, lbl), rstd = mem_.allocate(rows * x.elem, lbl);
     g_->record({&out}, {x.buf, mean, rstd}, [this, x = meta(x), w, b](const std::vector<Ref>&) {
       std::vector<Emit> e{grad_to(x), grad_to(w.t)};
       if (b) e.push_back(grad_to(b->t));
@@ -189,8 +188,8 @@ class StepSim {
     return out;
   }
 
-  Tensor norm(const Tensor& x, const Param& w, const Param* b, const std::string& where) {
-    return c_.norm == NormKind::layer_norm ? layer_norm(x, w, b) : rms_norm(x, w, where);
+  Tensor norm(const Tensor& x, const Param& w, const Param* b) {
+    return c_.norm == NormKind::layer_norm ? layer_norm(x, w, b) : rms_norm(x, w);
   }
 
   Tensor activation(const Tensor& x) {
@@ -325,19 +324,55 @@ Tensor StepSim::attention_block(int64_t layer, const Tensor& x, const Tensor& co
     g_->record({&y}, saved, [this, q = meta(q), k = meta(k), v = meta(v)](const std::vector<Ref>&) {
       return std::vector<Emit>{grad_to(q), grad_to(k), grad_to(v)};
     });
+    // The CPU kernel writes its output in the query's layout: [B, T, heads, hd] for a transposed
+    // projection, where transpose + reshape is a view; partial rotary's cat makes the query a
+    // contiguous [B, heads, T, hd], and then the reshape copies.
+    if (c_.rotary_dim != c_.head_dim && !c_.learned_positions) {
+      Tensor copy = make(y.numel, e, out_lbl);
+      g_->record({&copy}, {}, [y = meta(y)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(y, in[0])}; });
+      y = copy;
+    }
   } else if (s_.attention == AttentionPath::flash) {
-    // With dropout the CPU falls back to ATen's math attention: scaled and contiguous copies of q,
-    // k and v, the softmax and the dropout's mask and output are kept (measured: 4·B·T·heads·hd
-    // + 2·B·heads·T² beside the output).
+    // With dropout the CPU runs ATen's math attention: q and k scaled by sqrt(scale), copied to
+    // contiguous batches when B > 1 (as is v), q·kᵀ, + the causal mask, softmax, dropout, p·v; the
+    // output comes back as [B, heads, T, hd], so transpose + reshape copies it.
+    // It computes in float32: 2-byte q, k and v are upcast first and the output cast back.
     const int lbl = act("attention scores", "B·heads·seq² per matrix kept: softmax, dropout mask and output");
+    const int ce = 4;
+    auto batched = [&](const Tensor& x) {
+      if (b == 1) return x;
+      Tensor c = make(x.numel, ce, qkv_lbl);
+      g_->record({&c}, {}, [x = meta(x)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(x, in[0])}; });
+      return c;
+    };
+    Tensor q32 = cast(q, ce, qkv_lbl), k32 = cast(k, ce, qkv_lbl), v32 = cast(v, ce, qkv_lbl);
+    Tensor qs = batched(scale(q32, qkv_lbl)), ks = batched(scale(k32, qkv_lbl)), vc = batched(v32);
+    q32 = k32 = v32 = Tensor{};
+    Tensor raw = make(scores, ce, lbl);
+    g_->record({&raw}, {qs.buf, ks.buf}, [this, qs = meta(qs), ks = meta(ks)](const std::vector<Ref>&) {
+      return std::vector<Emit>{grad_to(qs), grad_to(ks)};
+    });
+    qs = ks = Tensor{};
+    Ref causal = mem_.allocate(t * t * ce, tmp_);
+    Tensor masked = view(raw);  // + the mask, in place
+    raw = Tensor{};
+    Tensor probs = make(scores, ce, lbl);
+    g_->record({&probs}, {probs.buf}, [this, masked = meta(masked)](const std::vector<Ref>&) {
+      return std::vector<Emit>{grad_to(masked)};
+    });
+    masked = Tensor{};
+    causal.reset();
+    probs = dropout(probs, dropout_p, lbl);
+    Tensor heads_out = make(tokens * qw, ce, tmp_);
+    g_->record({&heads_out}, {probs.buf, vc.buf}, [this, probs = meta(probs), vc = meta(vc)](const std::vector<Ref>&) {
+      return std::vector<Emit>{grad_to(probs), grad_to(vc)};
+    });
+    probs = vc = Tensor{};
+    heads_out = cast(heads_out, e, tmp_);
     y = make(tokens * qw, e, out_lbl);
-    Ref copies = mem_.allocate(4 * tokens * qw * e, qkv_lbl);
-    Ref probs = mem_.allocate(2 * scores * e, lbl);
-    g_->record({&y}, {q.buf, k.buf, v.buf, copies, probs},
-               [this, q = meta(q), k = meta(k), v = meta(v), scores, e](const std::vector<Ref>&) {
-                 Ref work = g_->scratch(2 * scores * e);
-                 return std::vector<Emit>{grad_to(q), grad_to(k), grad_to(v)};
-               });
+    g_->record({&y}, {}, [heads_out = meta(heads_out)](const std::vector<Ref>& in) {
+      return std::vector<Emit>{pass_to(heads_out, in[0])};
+    });
   } else {
     // The explicit path (model/attention.cpp): q·kᵀ, scale, mask, float32 softmax, cast, p·v.
     const int lbl = act("attention scores", "B·heads·seq² score and probability matrices kept for backward");
@@ -465,12 +500,12 @@ Tensor StepSim::block(int64_t layer, const Tensor& x, const Tensor& cos, const T
                         normed);
   };
   if (c_.parallel_residual) {
-    Tensor with_attn = add(x, attend(norm(x, n1, n1b, "input")), res_lbl);
-    Tensor m = mlp_block(layer, norm(x, n2, n2b, "post_attention"));
+    Tensor with_attn = add(x, attend(norm(x, n1, n1b)), res_lbl);
+    Tensor m = mlp_block(layer, norm(x, n2, n2b));
     return add(with_attn, m, res_lbl);
   }
-  Tensor h = add(x, attend(norm(x, n1, n1b, "input")), res_lbl);
-  return add(h, mlp_block(layer, norm(h, n2, n2b, "post_attention")), res_lbl);
+  Tensor h = add(x, attend(norm(x, n1, n1b)), res_lbl);
+  return add(h, mlp_block(layer, norm(h, n2, n2b)), res_lbl);
 }
 
 Tensor StepSim::forward(int64_t rows) {
@@ -503,7 +538,7 @@ Tensor StepSim::forward(int64_t rows) {
       x = block(i, x, cos, sin, s_.checkpointing.attention_only());
     }
   }
-  x = norm(x, p("final_norm.weight"), maybe("final_norm.bias"), "final");
+  x = norm(x, p("final_norm.weight"), maybe("final_norm.bias"));
   const int logits_lbl = mem_.label("logits", Category::logits, "B·T·vocab in the matmul dtype");
   return linear(x, c_.tie_word_embeddings ? embed : p("lm_head.weight"), nullptr, logits_lbl);
 }
