@@ -1,0 +1,130 @@
+// The estimator against ground truth: published parameter counts, the trainer's own model, and
+// the peak the budget allocator measures in real training steps over a grid of 40 configurations.
+#include "estimate/estimator.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "memory/budget_allocator.h"
+#include "model/causal_lm.h"
+#include "model/test_models.h"
+#include "testing/estimate_grid.h"
+#include "testing/jsonl.h"
+#include "testing/temp_dir.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+namespace headroom {
+namespace {
+
+TrainSpec spec_for(const RunConfig& cfg) { return train_spec(cfg); }
+
+TEST(Estimator, ParameterCountsEqualThePublishedOnes) {
+  const std::vector<std::pair<std::string, int64_t>> published = {
+      {"gpt2", 124'439'808}, {"llama-3.2-1b", 1'235'814'400}, {"qwen2.5-0.5b", 494'032'768},
+      {"pythia-160m", 162'322'944}};
+  for (const auto& [preset, params] : published) {
+    TrainSpec spec;
+    spec.batch = 1;
+    spec.seq = 16;
+    const Estimate e = estimate(load_model_config(preset), spec);
+    EXPECT_EQ(e.params, params) << preset;
+    // The weights it holds are those parameters at 4 bytes each (a tied head counted once).
+    EXPECT_EQ(e.category(sim::Category::weights), params * 4) << preset;
+  }
+}
+
+TEST(Estimator, ShrunkModelsHoldExactlyTheTrainersParameters) {
+  for (const auto& m : testing::shrunk_models()) {
+    const ModelConfig c = m.load();
+    const CausalLM model(c, at::TensorOptions().dtype(at::kFloat), 1);
+    int64_t built = 0;  // counted from the trainer's model, storage once per tensor
+    for (const auto& p : model.parameters()) built += p.tensor.numel();
+    TrainSpec spec;
+    spec.batch = 1;
+    spec.seq = 8;
+    spec.precision = Precision::bf16;
+    const Estimate e = estimate(c, spec);
+    EXPECT_EQ(e.params, model.num_parameters()) << m.label;
+    EXPECT_EQ(e.category(sim::Category::weights), built * 2) << m.label;
+  }
+}
+
+TEST(Estimator, A70BConfigIsEstimatedWithoutAllocatingItsWeights) {
+  BudgetAllocator& a = BudgetAllocator::install();
+  const int64_t before = a.live_bytes();
+  a.reset_peak();
+  TrainSpec spec;
+  spec.batch = 1;
+  spec.seq = 4096;
+  spec.precision = Precision::bf16_mixed;
+  spec.checkpointing.kind = CheckpointPolicy::Kind::full;
+  spec.cuda = true;
+  const Estimate e = estimate(load_model_config("llama-3.1-70b"), spec);
+  EXPECT_EQ(e.params, 70'553'706'496);
+  // Weights (4 B), gradients (4 B) and adamw's moments (8 B): at least 16 bytes per parameter.
+  EXPECT_GE(e.peak_bytes, 16 * e.params);
+  EXPECT_LT(a.peak_bytes() - before, 64 << 20) << "the estimate must not allocate the model";
+}
+
+TEST(Estimator, ReportsTheLogitsAndLossBuffersSeparately) {
+  TrainSpec spec;
+  spec.batch = 4;
+  spec.seq = 64;
+  const ModelConfig c = load_model_config("tiny", {"vocab_size=8192"});  // the loss dominates
+  const Estimate e = estimate(c, spec);
+  const int64_t tokens = spec.batch * spec.seq;
+  // At the start of backward: the float32 log-softmax, its incoming gradient and the logits'
+  // gradient, B·T·vocab × 4 each (logits themselves are gone by then).
+  EXPECT_EQ(e.peak_phase, Phase::backward);
+  EXPECT_EQ(e.category(sim::Category::loss), tokens * c.vocab_size * 4);
+  EXPECT_GE(e.category(sim::Category::temporaries), 2 * tokens * c.vocab_size * 4);
+  int64_t total = 0;
+  for (const auto& item : e.items) total += item.bytes;
+  EXPECT_EQ(total, e.peak_bytes) << "the items explain every byte";
+  const nlohmann::json j = e.to_json();
+  EXPECT_EQ(j["peak_bytes"].get<int64_t>(), e.peak_bytes);
+  EXPECT_EQ(j["model"]["params"].get<int64_t>(), e.params);
+  for (const char* key : {"weights", "gradients", "optimizer", "activations", "logits", "loss", "temporaries"}) {
+    EXPECT_TRUE(j["breakdown"].contains(key)) << key;
+  }
+}
+
+TEST(Estimator, PredictsTheMeasuredPeakOverFortyConfigurations) {
+  const auto grid = testing::accuracy_grid();
+  ASSERT_GE(grid.size(), 40u);
+  testing::TempDir dir;
+  double sum = 0, worst = 0;
+  std::string worst_config;
+  for (size_t i = 0; i < grid.size(); ++i) {
+    RunConfig cfg = grid[i];
+    cfg.steps = 2;  // the second step runs with the optimizer state of the first
+    cfg.eval_rows = 0;
+    cfg.quiet = true;
+    cfg.metrics = dir.file(fmt::format("m{}.jsonl", i));
+    train(cfg);
+    const auto rows = testing::read_jsonl(cfg.metrics);
+    ASSERT_EQ(rows.size(), 2u);
+    const auto measured = rows[1]["peak_bytes"].get<int64_t>();
+    const Estimate e = estimate(load_model_config(cfg.model, cfg.overrides), spec_for(cfg));
+    const double error = static_cast<double>(e.peak_bytes - measured) / static_cast<double>(measured);
+    std::printf("  %+6.2f%%  measured %10lld  estimated %10lld  %s\n", 100 * error, static_cast<long long>(measured),
+                static_cast<long long>(e.peak_bytes), testing::describe(cfg).c_str());
+    sum += std::abs(error);
+    if (std::abs(error) > worst) {
+      worst = std::abs(error);
+      worst_config = testing::describe(cfg);
+    }
+  }
+  const double mean = sum / static_cast<double>(grid.size());
+  std::printf("  mean |error| %.3f%%, worst %.3f%% (%s)\n", 100 * mean, 100 * worst, worst_config.c_str());
+  EXPECT_LE(mean, 0.03);
+  EXPECT_LE(worst, 0.08) << worst_config;
+}
+
+}  // namespace
+}  // namespace headroom
