@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -95,7 +95,8 @@ int main(int argc, char** argv) {
   for (const auto& r : rows) top = std::max(top, r.peak);
   for (const auto& r : rows) {
     fmt::print("{:<10} {:<44} live {:>12} -> {:>12} ({:+11})  peak {:>12}{}\n", headroom::phase_name(r.phase), r.op,
-               r.live_before, r.live_after, r.live_after - r.live_before, r.peak, r.peak == top ? "  <== step peak" : "");
+               r.live_before, r.live_after, r.live_after - r.live_before, r.peak,
+               r.peak == top ? "  <== step peak" : "");
   }
   return 0;
 }

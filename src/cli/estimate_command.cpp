@@ -36,15 +36,17 @@ TrainSpec train_spec(const RunConfig& cfg) {
   s.optimizer = parse_optimizer(cfg.optimizer);
   s.checkpointing = parse_checkpoint_policy(cfg.checkpointing);
   s.attention = parse_attention_path(cfg.attention);
-  s.cuda = resolve_device(cfg.device).is_cuda();
+  // An estimate is for before the GPU is rented: --device cuda needs none here.
+  s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
   s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);
   return s;
 }
 
 void add_estimate_command(CLI::App& app, std::function<int()>& run) {
-  CLI::App* cmd = app.add_subcommand(
-      "estimate", "Predict a training step's peak memory and what it consists of, without running it.\n"
-                  "With --memory-budget, also say whether it fits (exit code 3 when it does not).");
+  CLI::App* cmd =
+      app.add_subcommand("estimate",
+                         "Predict a training step's peak memory and what it consists of, without running it.\n"
+                         "With --memory-budget, also say whether it fits (exit code 3 when it does not).");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "batch", "accum", "seq", "device", "attention",
                                      "precision", "checkpointing", "optimizer", "memory-budget", "json", "quiet"});
   cmd->callback([config, &run] {
@@ -66,11 +68,12 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
         }
         fmt::print("{}\n", dump_json(j));
       } else {
-        fmt::print("{} ({}, {:.3f}B params), batch {} x accum {} x seq {}, {}, {}, checkpointing {}, attention {}, "
-                   "on {}\n\n{}",
-                   model.name, family_name(model.family), static_cast<double>(e.params) / 1e9, spec.batch, spec.accum,
-                   spec.seq, precision_name(spec.precision), optimizer_name(spec.optimizer), spec.checkpointing.name(),
-                   attention_path_name(spec.attention), spec.cuda ? "cuda" : "cpu", e.table());
+        fmt::print(
+            "{} ({}, {:.3f}B params), batch {} x accum {} x seq {}, {}, {}, checkpointing {}, attention {}, "
+            "on {}\n\n{}",
+            model.name, family_name(model.family), static_cast<double>(e.params) / 1e9, spec.batch, spec.accum,
+            spec.seq, precision_name(spec.precision), optimizer_name(spec.optimizer), spec.checkpointing.name(),
+            attention_path_name(spec.attention), spec.cuda ? "cuda" : "cpu", e.table());
         if (budget) {
           fmt::print("\n{} the budget of {} ({} {})\n", fits ? "fits" : "does NOT fit", format_bytes(*budget),
                      format_bytes(fits ? *budget - e.peak_bytes : e.peak_bytes - *budget), fits ? "to spare" : "over");

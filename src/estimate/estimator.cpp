@@ -40,6 +40,10 @@ class StepSim {
     copies_ = mem_.label("autocast weight copies", Category::weight_copies,
                          "2-byte copies of the matmul weights, made in forward, kept until their backward");
     tmp_ = g_->temporaries_label();
+    if (s.cuda) {
+      mem_.set_rounding(512, mem_.label("allocator rounding", Category::allocator,
+                                        "the CUDA caching allocator rounds every block up to 512 bytes"));
+    }
   }
 
   Estimate run();
@@ -155,7 +159,8 @@ class StepSim {
   // cast back): pow → mean → + eps → rsqrt → x · r → · weight.
   Tensor rms_norm(const Tensor& in, const Param& w) {
     const int64_t rows = in.numel / c_.hidden_size;
-    const int lbl = act("norm activations", "per norm: float32 input and normalised input, B·T·hidden each, and the output");
+    const int lbl =
+        act("norm activations", "per norm: float32 input and normalised input, B·T·hidden each, and the output");
     Tensor x = cast(in, 4, lbl);
     Tensor sq = make(x.numel, x.elem, tmp_, x.requires_grad());
     g_->record({&sq}, {x.buf}, [this, x = meta(x)](const std::vector<Ref>&) {
@@ -166,9 +171,8 @@ class StepSim {
     g_->record({&mean}, {}, [this, sq = meta(sq)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(sq)}; });
     sq = Tensor{};
     Tensor r = make(rows, x.elem, lbl, x.requires_grad());  // rsqrt(mean + eps); the add is in place
-    g_->record({&r}, {r.buf}, [this, mean = meta(mean)](const std::vector<Ref>&) {
-      return std::vector<Emit>{grad_to(mean)};
-    });
+    g_->record({&r}, {r.buf},
+               [this, mean = meta(mean)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(mean)}; });
     mean = Tensor{};
     Tensor xn = mul(x, r, lbl);
     x = r = Tensor{};
@@ -329,7 +333,8 @@ Tensor StepSim::attention_block(int64_t layer, const Tensor& x, const Tensor& co
     // contiguous [B, heads, T, hd], and then the reshape copies.
     if (c_.rotary_dim != c_.head_dim && !c_.learned_positions) {
       Tensor copy = make(y.numel, e, out_lbl);
-      g_->record({&copy}, {}, [y = meta(y)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(y, in[0])}; });
+      g_->record({&copy}, {},
+                 [y = meta(y)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(y, in[0])}; });
       y = copy;
     }
   } else if (s_.attention == AttentionPath::flash) {
@@ -357,9 +362,8 @@ Tensor StepSim::attention_block(int64_t layer, const Tensor& x, const Tensor& co
     Tensor masked = view(raw);  // + the mask, in place
     raw = Tensor{};
     Tensor probs = make(scores, ce, lbl);
-    g_->record({&probs}, {probs.buf}, [this, masked = meta(masked)](const std::vector<Ref>&) {
-      return std::vector<Emit>{grad_to(masked)};
-    });
+    g_->record({&probs}, {probs.buf},
+               [this, masked = meta(masked)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(masked)}; });
     masked = Tensor{};
     causal.reset();
     probs = dropout(probs, dropout_p, lbl);

@@ -24,9 +24,10 @@ namespace {
 TrainSpec spec_for(const RunConfig& cfg) { return train_spec(cfg); }
 
 TEST(Estimator, ParameterCountsEqualThePublishedOnes) {
-  const std::vector<std::pair<std::string, int64_t>> published = {
-      {"gpt2", 124'439'808}, {"llama-3.2-1b", 1'235'814'400}, {"qwen2.5-0.5b", 494'032'768},
-      {"pythia-160m", 162'322'944}};
+  const std::vector<std::pair<std::string, int64_t>> published = {{"gpt2", 124'439'808},
+                                                                  {"llama-3.2-1b", 1'235'814'400},
+                                                                  {"qwen2.5-0.5b", 494'032'768},
+                                                                  {"pythia-160m", 162'322'944}};
   for (const auto& [preset, params] : published) {
     TrainSpec spec;
     spec.batch = 1;
@@ -92,6 +93,20 @@ TEST(Estimator, ReportsTheLogitsAndLossBuffersSeparately) {
   for (const char* key : {"weights", "gradients", "optimizer", "activations", "logits", "loss", "temporaries"}) {
     EXPECT_TRUE(j["breakdown"].contains(key)) << key;
   }
+}
+
+TEST(Estimator, OnCudaEveryBlockIsRoundedTo512Bytes) {
+  const ModelConfig c = load_model_config("tiny");
+  TrainSpec spec;
+  spec.batch = 2;
+  spec.seq = 33;  // odd sizes: most activations are not multiples of 512 bytes
+  const Estimate cpu = estimate(c, spec);
+  spec.cuda = true;
+  const Estimate cuda = estimate(c, spec);
+  EXPECT_GT(cuda.category(sim::Category::allocator), 0);
+  EXPECT_EQ(cpu.category(sim::Category::allocator), 0);
+  // The same tensors, each rounded up: no less than on cpu (where the corpus is also counted).
+  EXPECT_GE(cuda.peak_bytes, cpu.peak_bytes - cpu.category(sim::Category::other));
 }
 
 TEST(Estimator, PredictsTheMeasuredPeakOverFortyConfigurations) {

@@ -14,6 +14,7 @@ const char* category_name(Category c) {
     case Category::logits: return "logits";
     case Category::loss: return "loss";
     case Category::temporaries: return "temporaries";
+    case Category::allocator: return "allocator_overhead";
     case Category::other: return "other";
   }
   return "?";
@@ -31,9 +32,11 @@ int Memory::label(const std::string& name, Category category, const std::string&
 }
 
 Ref Memory::allocate(int64_t bytes, int label) {
-  buffers_.push_back({bytes, label});
-  live_ += bytes;
+  const int64_t padding = rounding_label_ >= 0 ? (granule_ - bytes % granule_) % granule_ : 0;
+  buffers_.push_back({bytes, label, padding});
+  live_ += bytes + padding;
   by_label_[static_cast<size_t>(label)] += bytes;
+  if (padding > 0) by_label_[static_cast<size_t>(rounding_label_)] += padding;
   auto& phase_peak = phase_peaks_[static_cast<size_t>(phase_)];
   phase_peak = std::max(phase_peak, live_);
   if (live_ > peak_.bytes) {
@@ -53,8 +56,9 @@ void Memory::relabel(const Ref& buffer, int label) {
 
 void Memory::release(int id) {
   const Slot& s = buffers_[static_cast<size_t>(id)];
-  live_ -= s.bytes;
+  live_ -= s.bytes + s.padding;
   by_label_[static_cast<size_t>(s.label)] -= s.bytes;
+  if (s.padding > 0) by_label_[static_cast<size_t>(rounding_label_)] -= s.padding;
 }
 
 Tensor Graph::make(int64_t numel, int elem, int label, bool requires_grad) {

@@ -23,8 +23,19 @@
 namespace headroom::sim {
 
 // The breakdown categories of PRODUCT.md's estimate contract.
-enum class Category { weights, weight_copies, gradients, optimizer, activations, logits, loss, temporaries, other };
-inline constexpr int kCategories = 9;
+enum class Category {
+  weights,
+  weight_copies,
+  gradients,
+  optimizer,
+  activations,
+  logits,
+  loss,
+  temporaries,
+  allocator,
+  other
+};
+inline constexpr int kCategories = 10;
 const char* category_name(Category c);
 
 // What a buffer is, for the table: a name, its category and the formula or reason behind its size.
@@ -57,6 +68,12 @@ class Memory {
   Ref allocate(int64_t bytes, int label);
   void relabel(const Ref& buffer, int label);
   void set_phase(Phase phase) { phase_ = phase; }
+  // Allocations are rounded up to a multiple of this (PyTorch's CUDA caching allocator: 512 bytes);
+  // what rounding adds is counted under `label`.
+  void set_rounding(int64_t granule, int label) {
+    granule_ = granule;
+    rounding_label_ = label;
+  }
   Phase phase() const { return phase_; }
 
   int64_t live() const { return live_; }
@@ -78,11 +95,14 @@ class Memory {
   struct Slot {
     int64_t bytes = 0;
     int label = 0;
+    int64_t padding = 0;  // rounding, counted under rounding_label_
   };
   std::vector<Slot> buffers_;
   std::vector<Label> labels_;
   std::vector<int64_t> by_label_;
   int64_t live_ = 0;
+  int64_t granule_ = 1;
+  int rounding_label_ = -1;
   Phase phase_ = Phase::idle;
   Peak peak_;
   std::array<int64_t, 6> phase_peaks_{};
