@@ -4,10 +4,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <map>
 #include <unordered_map>
 
+#include "data/embedded.h"
+#include "device/device.h"
 #include "model/causal_lm.h"
+#include "train/run_config.h"
 #include "util/error.h"
 #include "util/size.h"
 
@@ -739,6 +743,33 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   }
   StepSim sim(model, spec);
   return sim.run();
+}
+
+namespace {
+
+int64_t corpus_bytes(const std::string& path) {
+  if (path.empty()) return static_cast<int64_t>(embedded_corpus().size());
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) fail("--data '{}': cannot read it ({})", path, ec.message());
+  return static_cast<int64_t>(size);
+}
+
+}  // namespace
+
+TrainSpec train_spec(const RunConfig& cfg) {
+  TrainSpec s;
+  s.batch = cfg.batch;
+  s.accum = cfg.accum;
+  s.seq = cfg.seq;
+  s.precision = parse_precision(cfg.precision);
+  s.optimizer = parse_optimizer(cfg.optimizer);
+  s.checkpointing = parse_checkpoint_policy(cfg.checkpointing);
+  s.attention = parse_attention_path(cfg.attention);
+  // An estimate is for before the GPU is rented: --device cuda needs none here.
+  s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
+  s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);
+  return s;
 }
 
 }  // namespace headroom

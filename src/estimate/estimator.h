@@ -67,7 +67,7 @@ struct Estimate {
 Estimate estimate(const ModelConfig& model, const TrainSpec& spec);
 
 struct RunConfig;
-// The spec of a run's flags (cli/estimate_command.cpp): on cpu the corpus's size is counted too.
+// The spec of a run's flags; on cpu the corpus's size is counted too (the trainer holds it).
 TrainSpec train_spec(const RunConfig& config);
 
 }  // namespace headroom
