@@ -472,7 +472,8 @@ Tensor StepSim::checkpointed(const std::function<Tensor(const Tensor&)>& fn, con
   y.slot->elem = y.elem;
   g_->record({&y}, {x.buf, rng}, [this, fn, x, rng_bytes](const std::vector<Ref>& in) {
     // Recompute under grad mode (and a fresh autocast cache), then backpropagate through it.
-    Ref restore = mem_.allocate(rng_bytes, tmp_);
+    // The generator state to put back afterwards, and the saved one being replayed.
+    Ref restore = mem_.allocate(rng_bytes, tmp_), replayed = mem_.allocate(rng_bytes, tmp_);
     sim::Graph inner(mem_);
     sim::Graph* outer = g_;
     std::map<const Param*, Tensor> cache;

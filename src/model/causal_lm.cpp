@@ -168,7 +168,10 @@ at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const at::Tensor
                         normed);
   };
   if (config_.parallel_residual) {
-    return x + attend(norm(x, l.norm1_w, l.norm1_b)) + mlp(l, norm(x, l.norm2_w, l.norm2_b), o);
+    // Sequenced: the operands of + are evaluated in an unspecified order, and the order decides
+    // which branch backward visits first (and so what memory is live when).
+    at::Tensor with_attention = x + attend(norm(x, l.norm1_w, l.norm1_b));
+    return with_attention + mlp(l, norm(x, l.norm2_w, l.norm2_b), o);
   }
   auto h = x + attend(norm(x, l.norm1_w, l.norm1_b));
   return h + mlp(l, norm(h, l.norm2_w, l.norm2_b), o);
