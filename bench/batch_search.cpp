@@ -1,4 +1,5 @@
-// `headroom fit` against the batch-size finders people use today, over the same real trial steps:
+// `headroom fit` (seeded by the estimator; and without it, from the measured line of batches 2 and 4)
+// against the batch-size finders people use today, over the same real trial steps:
 //   lightning-power      Lightning's BatchSizeFinder, mode "power": start at 2, double while it fits
 //   lightning-binsearch  mode "binsearch": double until it fails, then bisect
 //   accelerate-halving   Accelerate's find_executable_batch_size: start at 128, halve until it fits
@@ -6,6 +7,8 @@
 // scan. Trials are memoised per configuration, so every strategy sees identical outcomes, and each
 // is charged for every trial it asks for. Prints one row per configuration and a summary.
 //   build/bench_batch_search
+#include "train/batch_search.h"
+
 #include <fmt/format.h>
 
 #include <functional>
@@ -13,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "train/batch_search.h"
+#include "estimate/estimator.h"
 #include "util/size.h"
 
 using namespace headroom;
@@ -98,25 +101,30 @@ int main() {
       {"tiny L2 seq64 math 70MiB", make("tiny", {"num_hidden_layers=2"}, 64, "70MiB")},
       {"tiny L2 seq128 sgd 40MiB", make("tiny", {"num_hidden_layers=2"}, 128, "40MiB")},
       {"tiny L2 seq128 ckpt-full 60MiB", make("tiny", {"num_hidden_layers=2"}, 128, "60MiB")},
-      {"gpt2-128x2 seq128 60MiB", make("gpt2", {"n_layer=2", "n_embd=128", "n_head=4", "vocab_size=256"}, 128, "60MiB")},
-      {"pythia-128x2 seq128 60MiB",
-       make("pythia-160m", {"hidden_size=128", "num_attention_heads=4", "num_hidden_layers=2", "intermediate_size=512",
-                            "vocab_size=256"}, 128, "60MiB")},
+      {"gpt2-128x2 seq128 60MiB",
+       make("gpt2", {"n_layer=2", "n_embd=128", "n_head=4", "vocab_size=256"}, 128, "60MiB")},
+      {"pythia-128x2 seq128 60MiB", make("pythia-160m",
+                                         {"hidden_size=128", "num_attention_heads=4", "num_hidden_layers=2",
+                                          "intermediate_size=512", "vocab_size=256"},
+                                         128, "60MiB")},
       {"qwen2-128x2 seq256 90MiB",
-       make("qwen2.5-0.5b", {"hidden_size=128", "num_attention_heads=4", "num_key_value_heads=2", "num_hidden_layers=2",
-                             "intermediate_size=256", "vocab_size=256", "head_dim=32"}, 256, "90MiB")},
+       make("qwen2.5-0.5b",
+            {"hidden_size=128", "num_attention_heads=4", "num_key_value_heads=2", "num_hidden_layers=2",
+             "intermediate_size=256", "vocab_size=256", "head_dim=32"},
+            256, "90MiB")},
       {"tiny L1 seq512 100MiB", make("tiny", {"num_hidden_layers=1"}, 512, "100MiB")},
   };
   configs[4].run.attention = "math";
   configs[5].run.optimizer = "sgd";
   configs[6].run.checkpointing = "full";
 
-  const std::vector<std::string> names = {"headroom-fit", "lightning-power", "lightning-binsearch", "accelerate-halving"};
+  const std::vector<std::string> names = {"headroom-fit", "headroom-line", "lightning-power", "lightning-binsearch",
+                                          "accelerate-halving"};
   std::map<std::string, int> total_trials, exact;
-  fmt::print("{:<32} {:>5} | {:>14} {:>18} {:>20} {:>19}\n", "configuration", "true", "headroom-fit", "lightning-power",
-             "lightning-binsearch", "accelerate-halving");
-  fmt::print("{:<32} {:>5} | {:>14} {:>18} {:>20} {:>19}\n", "", "max", "found/trials", "found/trials",
-             "found/trials", "found/trials");
+  fmt::print("{:<32} {:>5} | {:>14} {:>14} {:>18} {:>20} {:>19}\n", "configuration", "true", "headroom-fit",
+             "headroom-line", "lightning-power", "lightning-binsearch", "accelerate-halving");
+  fmt::print("{:<32} {:>5} | {:>14} {:>14} {:>18} {:>20} {:>19}\n", "", "max", "found/trials", "found/trials",
+             "found/trials", "found/trials", "found/trials");
   for (const Config& c : configs) {
     std::map<int64_t, Trial> memo;
     auto trial = [&](int64_t b) {
@@ -129,19 +137,22 @@ int main() {
 
     const int64_t budget = parse_size(c.run.memory_budget, "budget");
     std::vector<Outcome> results;
-    const FitResult ours = search_max_batch(trial, budget, limit);
-    results.push_back({ours.max_batch, static_cast<int>(ours.log.size())});
+    const FitResult seeded = search_max_batch(trial, budget, limit, peak_predictor(c.run));
+    results.push_back({seeded.max_batch, static_cast<int>(seeded.log.size())});
+    const FitResult line = search_max_batch(trial, budget, limit);
+    results.push_back({line.max_batch, static_cast<int>(line.log.size())});
     const Probe fits = [&](int64_t b) { return trial(b).fits; };
     results.push_back(lightning_power(fits, limit));
     results.push_back(lightning_binsearch(fits, limit));
     results.push_back(accelerate_halving(fits, limit));
     std::string row = fmt::format("{:<32} {:>5} |", c.label, truth);
-    const int widths[] = {14, 18, 20, 19};
+    const int widths[] = {14, 14, 18, 20, 19};
     for (size_t i = 0; i < results.size(); ++i) {
       total_trials[names[i]] += results[i].trials;
       if (results[i].found == truth) exact[names[i]] += 1;
-      row += fmt::format(" {:>{}}", fmt::format("{}{}/{}", results[i].found == truth ? "" : "*", results[i].found,
-                                                results[i].trials), widths[i]);
+      row += fmt::format(
+          " {:>{}}", fmt::format("{}{}/{}", results[i].found == truth ? "" : "*", results[i].found, results[i].trials),
+          widths[i]);
     }
     fmt::print("{}\n", row);
   }

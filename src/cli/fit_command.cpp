@@ -7,6 +7,7 @@
 #include "cli/run_flags.h"
 #include "device/cuda_adapter.h"
 #include "device/device.h"
+#include "estimate/estimator.h"
 #include "train/batch_search.h"
 #include "util/error.h"
 #include "util/json.h"
@@ -16,9 +17,11 @@ namespace headroom {
 
 void add_fit_command(CLI::App& app, std::function<int()>& run) {
   CLI::App* cmd = app.add_subcommand(
-      "fit", "Find the largest micro-batch that fits the memory budget, with real trial steps: two small\n"
-             "batches measured, the largest predicted from them, verified, then bisection if needed.\n"
-             "Exit code 3 (with max_batch 0 in --json) when not even micro-batch 1 fits.");
+      "fit",
+      "Find the largest micro-batch that fits the memory budget, with real trial steps: the estimator\n"
+      "predicts it, a trial verifies it and the next batch, a wrong prediction is corrected by what\n"
+      "the trial measured, and bisection is the fallback.\n"
+      "Exit code 3 (with max_batch 0 in --json) when not even micro-batch 1 fits.");
   // What shapes a step's memory; schedule and output flags of `train` do not apply.
   auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "attention", "precision",
                                      "checkpointing", "optimizer", "memory-budget", "json", "quiet"});
@@ -49,12 +52,14 @@ void add_fit_command(CLI::App& app, std::function<int()>& run) {
             }
             return t;
           },
-          budget, *limit);
+          budget, *limit, peak_predictor(cfg));
       if (cfg.json) fmt::print("{}\n", dump_json(r.to_json()));
       if (r.max_batch == 0) {
         if (!cfg.quiet) {
-          fmt::print(stderr, "no micro-batch fits in {}: `headroom train --batch 1 --memory-budget {}` shows what "
-                     "holds the memory and which levers would help\n", format_bytes(budget), format_bytes(budget));
+          fmt::print(stderr,
+                     "no micro-batch fits in {}: `headroom train --batch 1 --memory-budget {}` shows what "
+                     "holds the memory and which levers would help\n",
+                     format_bytes(budget), format_bytes(budget));
         }
         return kExitOom;
       }

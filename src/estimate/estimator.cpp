@@ -773,4 +773,14 @@ TrainSpec train_spec(const RunConfig& cfg) {
   return s;
 }
 
+std::function<int64_t(int64_t)> peak_predictor(const RunConfig& config) {
+  const ModelConfig model = load_model_config(config.model, config.overrides);
+  TrainSpec spec = train_spec(config);
+  spec.accum = 1;
+  return [model, spec](int64_t batch) mutable {
+    spec.batch = batch;
+    return estimate(model, spec).peak_bytes;
+  };
+}
+
 }  // namespace headroom

@@ -15,6 +15,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -69,5 +70,8 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec);
 struct RunConfig;
 // The spec of a run's flags; on cpu the corpus's size is counted too (the trainer holds it).
 TrainSpec train_spec(const RunConfig& config);
+
+// The predicted peak of `config`'s step at a given micro-batch (accumulation 1), for seeding `fit`.
+std::function<int64_t(int64_t batch)> peak_predictor(const RunConfig& config);
 
 }  // namespace headroom

@@ -40,7 +40,7 @@ Trial trial_step(const RunConfig& base, int64_t batch) {
   }
 }
 
-FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t limit) {
+FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t limit, const PeakPredictor& predict) {
   FitResult out;
   std::map<int64_t, Trial> seen;
   int64_t fits = 0, fails = limit + 1;  // invariant: `fits` fits, `fails` does not (limit + 1: untried)
@@ -49,8 +49,10 @@ FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t l
     if (it != seen.end()) return it->second;
     out.log.push_back(trial(b));
     const Trial& t = out.log.back();
-    if (t.fits) fits = std::max(fits, b);
-    else fails = std::min(fails, b);
+    if (t.fits)
+      fits = std::max(fits, b);
+    else
+      fails = std::min(fails, b);
     return seen[b] = t;
   };
   auto finish = [&]() {
@@ -61,6 +63,46 @@ FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t l
     out.max_batch = fits;
     return out;
   };
+
+  if (predict) {
+    // Predict, verify, correct. The correction comes from what the trials measured: before any
+    // trial fitted, a scale from failed ones (a lower bound: their figure is what was in use plus
+    // the request); from one that fitted, the ratio measured / predicted; from two, the line
+    // through their differences (a wrong constant and a wrong slope both corrected).
+    struct Point {
+      int64_t batch;
+      double measured, predicted;
+    };
+    std::vector<Point> exact;
+    double low_scale = 1.0;
+    auto corrected = [&](int64_t n) {
+      const double p = static_cast<double>(predict(n));
+      if (exact.empty()) return p * low_scale;
+      const Point& last = exact.back();
+      if (exact.size() == 1) return p * last.measured / last.predicted;
+      const Point& prev = exact[exact.size() - 2];
+      const double slope = ((last.measured - last.predicted) - (prev.measured - prev.predicted)) /
+                           static_cast<double>(last.batch - prev.batch);
+      return p + (last.measured - last.predicted) + slope * static_cast<double>(n - last.batch);
+    };
+    for (int round = 0; round < 8 && fails - fits > 1; ++round) {
+      int64_t lo_b = fits, hi_b = std::min(limit, fails - 1) + 1;  // lo_b predicted to fit, hi_b not
+      while (hi_b - lo_b > 1) {
+        const int64_t mid = lo_b + (hi_b - lo_b) / 2;
+        (corrected(mid) <= static_cast<double>(budget) ? lo_b : hi_b) = mid;
+      }
+      const int64_t guess = std::clamp<int64_t>(lo_b, fits + 1, std::min(limit, fails - 1));
+      const Trial t = run(guess);
+      const double predicted = static_cast<double>(predict(guess));
+      if (t.fits) {
+        exact.push_back({guess, static_cast<double>(t.peak_bytes), predicted});
+      } else if (exact.empty() && predicted > 0) {
+        low_scale = std::max(
+            {low_scale, static_cast<double>(t.peak_bytes) / predicted, (static_cast<double>(budget) + 1) / predicted});
+      }
+    }
+    return finish();
+  }
 
   // The line through two small batches. Batch 1 is avoided as a point of the line (some kernels
   // take another path at one row), and tried only when batch 2 does not fit.
@@ -82,7 +124,8 @@ FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t l
   Trial anchor = b;
   double error = std::numeric_limits<double>::infinity();  // at the last verified prediction
   for (int round = 0; round < 8 && fails - fits > 1; ++round) {
-    const double per_row = static_cast<double>(anchor.peak_bytes - a.peak_bytes) / static_cast<double>(anchor.batch - lo);
+    const double per_row =
+        static_cast<double>(anchor.peak_bytes - a.peak_bytes) / static_cast<double>(anchor.batch - lo);
     if (per_row <= 0) break;
     const double fixed = static_cast<double>(a.peak_bytes) - per_row * static_cast<double>(lo);
     auto predict = [&](int64_t n) { return fixed + per_row * static_cast<double>(n); };

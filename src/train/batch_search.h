@@ -1,7 +1,9 @@
 // Batch-size search (lever 9): the largest micro-batch that fits, found with as few real trial
 // steps as possible.
 //
-// A step's peak memory is affine in the micro-batch (weights, gradients and optimizer state fixed;
+// Seeded by the estimator (as `headroom fit` runs it), the search tries the batch the estimator
+// predicts is the largest, then corrects by what the trial measured (see search_max_batch). Without
+// one it measures: a step's peak memory is affine in the micro-batch (weights, gradients and optimizer state fixed;
 // activations, logits and temporaries proportional to the rows), which the search uses: it measures
 // batches 2 and 4 (doubling the second while the peak looks flat, as allocator rounding can make
 // it), predicts the largest batch under the budget from the line through them, verifies it, and
@@ -37,8 +39,17 @@ struct FitResult {
   nlohmann::json to_json() const;  // {"max_batch", "trials", "log": [{"batch", "fits", "peak_bytes"}]}
 };
 
-// Searches [1, limit] with `trial`, under `budget` bytes (used for the prediction).
-FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t limit);
+// Predicted peak bytes of a step at a micro-batch (the estimator's), or null.
+using PeakPredictor = std::function<int64_t(int64_t batch)>;
+
+// Searches [1, limit] with `trial`, under `budget` bytes (used for the prediction). With `predict`
+// (the estimator) the search is seeded by it: the largest batch it says fits is tried, then the
+// next one; a trial that disagrees corrects the prediction by the measured difference and the
+// search predicts again; bisection remains the fallback. With an exact estimator: two trials.
+// Without one, the measured line of batches 2 and 4 does the predicting (three trials on affine
+// memory).
+FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t limit,
+                           const PeakPredictor& predict = nullptr);
 
 // One real training step of `base` at micro-batch `batch` (accumulation 1, no guard, no evaluation,
 // no outputs) under base's --memory-budget.

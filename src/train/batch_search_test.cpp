@@ -43,6 +43,32 @@ TEST(BatchSearch, RoundedMemoryStillFindsTheTrueMaximum) {
   }
 }
 
+TEST(BatchSearch, AnExactPredictorNeedsTwoTrialsAndAWrongOneIsCorrected) {
+  const int64_t fixed = 400'000, per_row = 12'345, limit = 1 << 16;
+  for (int64_t budget : {1'000'000, 3'333'333, 77'777'777}) {
+    const auto t = device(fixed, per_row, budget);
+    const int64_t truth = true_max(t, limit);
+    // Exact: the predicted maximum fits and the next batch does not.
+    const FitResult exact = search_max_batch(t, budget, limit, [&](int64_t b) { return fixed + per_row * b; });
+    EXPECT_EQ(exact.max_batch, truth) << budget;
+    EXPECT_EQ(exact.log.size(), 2u) << budget;
+    // 10% low and 10% high: the first trial's measurement corrects the prediction.
+    for (double bias : {0.9, 1.1}) {
+      const FitResult r = search_max_batch(t, budget, limit, [&](int64_t b) {
+        return static_cast<int64_t>(bias * static_cast<double>(fixed + per_row * b));
+      });
+      EXPECT_EQ(r.max_batch, truth) << budget << " bias " << bias;
+      std::string tried;
+      for (const Trial& x : r.log) tried += std::to_string(x.batch) + (x.fits ? "+ " : "- ");
+      EXPECT_LE(r.log.size(), 4u) << budget << " bias " << bias << ": " << tried;
+    }
+  }
+  // Rounded memory and a predictor that ignores the rounding.
+  const auto rounded = device(1'000'000, 150'000, 20'000'000, 2 << 20);
+  const FitResult r = search_max_batch(rounded, 20'000'000, 4096, [](int64_t b) { return 1'000'000 + 150'000 * b; });
+  EXPECT_EQ(r.max_batch, true_max(rounded, 4096));
+}
+
 TEST(BatchSearch, EdgesNothingFitsOnlyOneFitsAndTheLimit) {
   EXPECT_EQ(search_max_batch(device(2000, 10, 1000), 1000, 64).max_batch, 0);
   EXPECT_EQ(search_max_batch(device(900, 60, 1000), 1000, 64).max_batch, 1);
