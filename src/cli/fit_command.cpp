@@ -31,14 +31,7 @@ void add_fit_command(CLI::App& app, std::function<int()>& run) {
     run = [config, limit]() -> int {
       const RunConfig cfg = config();
       validate(cfg);
-      int64_t budget = 0;
-      if (auto b = cfg.budget_bytes()) {
-        budget = *b;
-      } else if (resolve_device(cfg.device).is_cuda()) {
-        budget = cuda_device_memory(0).free_bytes;
-      } else {
-        fail("fit on cpu needs --memory-budget SIZE (the simulated device to fit into), e.g. --memory-budget 512MiB");
-      }
+      const int64_t budget = device_budget(cfg, "fit");
       if (!cfg.quiet) {
         fmt::print(stderr, "headroom fit: {} at --seq {} within {}, micro-batches 1..{}\n", cfg.model, cfg.seq,
                    format_bytes(budget), *limit);

@@ -13,6 +13,7 @@
 
 #include "cli/estimate_command.h"
 #include "cli/fit_command.h"
+#include "cli/plan_command.h"
 #include "cli/train_command.h"
 #include "memory/oom_report.h"
 #include "util/error.h"
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
   add_train_command(app, run);
   add_fit_command(app, run);
   add_estimate_command(app, run);
+  add_plan_command(app, run);
 
   const bool json = wants_json(argc, argv);
   std::vector<std::string> names;

@@ -5,6 +5,10 @@
 #include <string>
 #include <vector>
 
+#include "device/cuda_adapter.h"
+#include "device/device.h"
+#include "util/error.h"
+
 namespace headroom {
 
 std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only) {
@@ -25,17 +29,15 @@ std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::
     if (!bound(f.key)) continue;
     const std::string name = "--" + f.key;
     switch (f.kind) {
-      case RunField::Kind::flag:
-        v->options[f.key] = cmd->add_flag(name, v->flags[f.key], f.help);
-        break;
+      case RunField::Kind::flag: v->options[f.key] = cmd->add_flag(name, v->flags[f.key], f.help); break;
       case RunField::Kind::list:
         v->options[f.key] = cmd->add_option(name, v->lists[f.key], f.help)->type_name("KEY=VALUE");
         break;
       default:
         v->options[f.key] = cmd->add_option(name, v->text[f.key], f.help)
-                                 ->type_name(f.kind == RunField::Kind::text      ? "TEXT"
-                                             : f.kind == RunField::Kind::integer ? "INT"
-                                                                                 : "NUMBER");
+                                ->type_name(f.kind == RunField::Kind::text      ? "TEXT"
+                                            : f.kind == RunField::Kind::integer ? "INT"
+                                                                                : "NUMBER");
     }
   }
   return [v]() {
@@ -54,6 +56,12 @@ std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::
     }
     return cfg;
   };
+}
+
+int64_t device_budget(const RunConfig& cfg, const std::string& command) {
+  if (auto b = cfg.budget_bytes()) return *b;
+  if (resolve_device(cfg.device).is_cuda()) return cuda_device_memory(0).free_bytes;
+  fail("{} on cpu needs --memory-budget SIZE (the simulated device to fit into), e.g. --memory-budget 512MiB", command);
 }
 
 }  // namespace headroom

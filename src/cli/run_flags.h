@@ -4,7 +4,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <functional>
+#include <string>
 #include <memory>
 
 #include "train/run_config.h"
@@ -15,5 +17,9 @@ namespace headroom {
 // lists just the flags it uses, so that its --help tells the truth). After parsing, the returned
 // function builds the RunConfig: defaults, then the --config file, then the flags given.
 std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only = {});
+
+// The memory a search or plan must fit into: --memory-budget, or on cuda the device's free memory;
+// on cpu without a budget, an error naming `command`.
+int64_t device_budget(const RunConfig& config, const std::string& command);
 
 }  // namespace headroom

@@ -1,11 +1,12 @@
 #include "cli/train_command.h"
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
+#include "cli/plan_command.h"
 #include "cli/run_flags.h"
 #include "train/trainer.h"
 #include "util/json.h"
@@ -14,23 +15,28 @@
 namespace headroom {
 
 void add_train_command(CLI::App& app, std::function<int()>& run) {
-  CLI::App* cmd = app.add_subcommand(
-      "train", "Train a causal LM of the given architecture (random init) on a text corpus.\n"
-               "With no flags: the 'tiny' preset on the bundled corpus for 200 steps.");
+  CLI::App* cmd = app.add_subcommand("train",
+                                     "Train a causal LM of the given architecture (random init) on a text corpus.\n"
+                                     "With no flags: the 'tiny' preset on the bundled corpus for 200 steps.");
   auto config = bind_run_flags(cmd);
   cmd->callback([config, &run] {
     run = [config]() -> int {
-      const RunConfig cfg = config();
+      RunConfig cfg = config();
+      if (cfg.plan == "auto") {
+        validate(cfg);
+        cfg = choose_plan(cfg);
+      }
       const TrainSummary s = train(cfg);
       if (cfg.json) {
-        const nlohmann::json out = {{"params", s.params},
-                                    {"steps", s.steps},
-                                    {"final_loss", s.final_loss},
-                                    {"eval_loss", std::isnan(s.eval_loss) ? nlohmann::json() : nlohmann::json(s.eval_loss)},
-                                    {"tokens_per_s", s.tokens_per_s},
-                                    {"peak_bytes", s.peak_bytes},
-                                    {"seconds", s.seconds},
-                                    {"device", s.device}};
+        const nlohmann::json out = {
+            {"params", s.params},
+            {"steps", s.steps},
+            {"final_loss", s.final_loss},
+            {"eval_loss", std::isnan(s.eval_loss) ? nlohmann::json() : nlohmann::json(s.eval_loss)},
+            {"tokens_per_s", s.tokens_per_s},
+            {"peak_bytes", s.peak_bytes},
+            {"seconds", s.seconds},
+            {"device", s.device}};
         fmt::print("{}\n", dump_json(out));
       } else if (!cfg.quiet) {
         fmt::print(stderr, "\nmemory by phase, at each phase's highest peak — {}:\n{}\n", s.memory_source,

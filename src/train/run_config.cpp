@@ -115,6 +115,10 @@ const std::vector<RunField>& run_fields() {
       text("resume", "continue from the checkpoint in this directory", &RunConfig::resume),
       integer("eval-every", "evaluate held-out loss every N steps (0: only at the end)", &RunConfig::eval_every),
       integer("eval-rows", "held-out sequences per evaluation (0: no evaluation)", &RunConfig::eval_rows),
+      text("plan",
+           "auto: before training, choose the fastest plan that fits the memory budget (micro-batch x "
+           "accumulation at the same --batch x --accum sequences per step, precision, checkpointing, attention), "
+           "as `headroom plan` ranks them", &RunConfig::plan),
       flag("no-guard",
            "turn the OOM guard off: by default an OOM in a step re-runs it with half the micro-batch and "
            "twice the accumulation (same data), down to micro-batch 1", &RunConfig::no_guard),
@@ -224,6 +228,7 @@ void validate(const RunConfig& c) {
   if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
+  if (!c.plan.empty() && c.plan != "auto") fail("--plan '{}': accepted: auto", c.plan);
   c.budget_bytes();  // these parse, or throw naming the flag
   c.oom_injection();
   if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);

@@ -43,6 +43,7 @@ struct RunConfig {
   std::string resume;            // directory
   int64_t eval_every = 0;        // steps; 0: only at the end
   int64_t eval_rows = 64;        // held-out windows per evaluation; 0: none
+  std::string plan;       // "auto": choose the fastest plan that fits before training (cli/plan)
   bool no_guard = false;  // OOM guard off: an OOM ends the run
   bool json = false;
   bool quiet = false;

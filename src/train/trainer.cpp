@@ -408,6 +408,7 @@ TrainSummary train(const RunConfig& cfg) {
     }
     metrics.write(rec);
     train_seconds += rec.seconds;
+    summary.step_seconds.push_back(rec.seconds);
     peak = std::max(peak, rec.peak_bytes);
     summary.steps = step + 1;
     summary.final_loss = loss;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "train/run_config.h"
 
@@ -25,6 +26,7 @@ struct TrainSummary {
   double tokens_per_s = 0;  // over the steps this process ran
   int64_t peak_bytes = 0;   // over the steps this process ran
   double seconds = 0;
+  std::vector<double> step_seconds;  // each step this process ran, in order
   std::string device;
   std::string memory_table;   // MemoryMonitor::summary_table()
   std::string memory_source;  // what the memory figures measure

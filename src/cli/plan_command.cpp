@@ -1,0 +1,132 @@
+#include "cli/plan_command.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+
+#include "cli/run_flags.h"
+#include "plan/planner.h"
+#include "util/error.h"
+#include "util/json.h"
+#include "util/size.h"
+
+namespace headroom {
+namespace {
+
+struct PlanOptions {
+  int64_t global_batch = 0;
+  double margin = 0.05;
+  bool allow_optimizer_change = false;
+  bool calibrate = true;
+  int64_t top = 10;
+};
+
+// Stage 1, calibration (timed real steps) for the precisions that can fit, stage 2.
+PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& request) {
+  PlanResult result = fitting_plans(request);
+  if (result.plans.empty()) return result;
+  CostModel cost = CostModel::flops_only();
+  if (o.calibrate) {
+    const auto precisions = precisions_of(result);
+    if (!cfg.quiet) {
+      fmt::print(stderr, "calibrating step time on this machine ({} precision{}, 2 micro-batch sizes)...\n",
+                 precisions.size(), precisions.size() == 1 ? "" : "s");
+    }
+    cost = CostModel::calibrate(cfg, precisions, std::min<int64_t>(4, o.global_batch));
+  }
+  rank_plans(result, request, cost);
+  return result;
+}
+
+PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::string& command) {
+  PlanRequest r;
+  r.base = cfg;
+  r.global_batch = o.global_batch;
+  r.budget = device_budget(cfg, command);
+  r.margin = o.margin;
+  r.allow_optimizer_change = o.allow_optimizer_change;
+  return r;
+}
+
+[[noreturn]] void nothing_fits(const PlanResult& result, const PlanRequest& r) {
+  fail(
+      "no plan fits {} (less the {:.0f}% margin): the smallest predicted peak is {} ({}); other levers: a lighter "
+      "optimizer (--allow-optimizer-change), a shorter --seq, or a larger budget",
+      format_bytes(r.budget), 100 * r.margin, format_bytes(result.smallest_peak), result.smallest_peak_plan);
+}
+
+}  // namespace
+
+RunConfig choose_plan(const RunConfig& cfg) {
+  PlanOptions o;
+  o.global_batch = cfg.batch * cfg.accum;
+  const PlanRequest r = request_of(cfg, o, "--plan auto");
+  const PlanResult result = plan(cfg, o, r);
+  if (result.plans.empty()) nothing_fits(result, r);
+  const Plan& best = result.plans.front();
+  if (!cfg.quiet) {
+    fmt::print(stderr,
+               "plan: micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {} — predicted peak {} of {} "
+               "(best of {} that fit, {} considered)\n",
+               best.batch, best.accum, best.precision, best.checkpointing, best.attention, best.optimizer,
+               format_bytes(best.predicted_peak_bytes), format_bytes(r.budget), result.plans.size(), result.considered);
+  }
+  return with_plan(cfg, best);
+}
+
+void add_plan_command(CLI::App& app, std::function<int()>& run) {
+  CLI::App* cmd = app.add_subcommand(
+      "plan",
+      "Rank the ways to train --global-batch sequences per step within the memory budget: micro-batch x\n"
+      "accumulation, precision, checkpointing and attention (the optimizer only with\n"
+      "--allow-optimizer-change), peak predicted by the estimator, step time by a cost model calibrated\n"
+      "with a few timed steps on this machine. Exit code 3 when nothing fits.");
+  auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "precision", "optimizer",
+                                     "memory-budget", "json", "quiet"});
+  auto o = std::make_shared<PlanOptions>();
+  cmd->add_option("--global-batch", o->global_batch, "sequences per optimizer step (required)")
+      ->required()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--margin", o->margin, "fraction of the budget kept free (default 0.05)")
+      ->check(CLI::Range(0.0, 0.9));
+  cmd->add_flag("--allow-optimizer-change", o->allow_optimizer_change,
+                "also consider other optimizers (they change the training dynamics)");
+  cmd->add_flag("!--no-calibrate", o->calibrate, "rank by FLOPs alone, without timing steps on this machine");
+  cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all)")->check(CLI::Range(1, 100000));
+  cmd->callback([config, o, &run] {
+    run = [config, o]() -> int {
+      const RunConfig cfg = config();
+      validate(cfg);
+      const PlanRequest r = request_of(cfg, *o, "plan");
+      PlanResult result = plan(cfg, *o, r);
+      if (cfg.json) {
+        nlohmann::json j = result.to_json();
+        j["global_batch"] = o->global_batch;
+        j["budget_bytes"] = r.budget;
+        fmt::print("{}\n", dump_json(j));
+      }
+      if (result.plans.empty()) {
+        if (cfg.json) return kExitOom;
+        nothing_fits(result, r);
+      }
+      if (!cfg.json) {
+        fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,
+                   format_bytes(r.budget), 100 * r.margin);
+        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:>11} {:>10}\n", "micro", "accum", "precision",
+                   "checkpoint", "attn", "optimizer", "peak", "step time");
+        const size_t n = std::min<size_t>(result.plans.size(), static_cast<size_t>(o->top));
+        for (size_t i = 0; i < n; ++i) {
+          const Plan& p = result.plans[i];
+          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:>11} {:>9.2f}x\n", p.batch, p.accum, p.precision,
+                     p.checkpointing, p.attention, p.optimizer, format_bytes(p.predicted_peak_bytes),
+                     p.predicted_step_time_ratio);
+        }
+      }
+      return 0;
+    };
+  });
+}
+
+}  // namespace headroom

@@ -1,0 +1,128 @@
+#include "plan/cost_model.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "config/model_config.h"
+#include "train/trainer.h"
+
+namespace headroom {
+namespace {
+
+// Weights that multiply activations: everything but the embeddings (a lookup), norms and biases.
+double matmul_params(const ModelConfig& c) {
+  const double h = static_cast<double>(c.hidden_size), q = static_cast<double>(c.num_heads * c.head_dim);
+  const double kv = static_cast<double>(c.num_kv_heads * c.head_dim), i = static_cast<double>(c.intermediate_size);
+  const double per_layer = h * (q + 2 * kv) + q * h + (c.gated_mlp ? 3 : 2) * h * i;
+  return per_layer * static_cast<double>(c.num_layers) + static_cast<double>(c.vocab_size) * h;
+}
+
+double attention_matmul_params(const ModelConfig& c) {
+  const double h = static_cast<double>(c.hidden_size), q = static_cast<double>(c.num_heads * c.head_dim);
+  const double kv = static_cast<double>(c.num_kv_heads * c.head_dim);
+  return h * (q + 2 * kv) + q * h;
+}
+
+}  // namespace
+
+double micro_batch_flops(const ModelConfig& c, int64_t rows, int64_t seq, const CheckpointPolicy& checkpointing,
+                         AttentionPath attention) {
+  const double tokens = static_cast<double>(rows * seq), t = static_cast<double>(seq);
+  const double layers = static_cast<double>(c.num_layers);
+  // QKᵀ and PV: 2 · 2 · T · head_dim per query token and head; causal flash skips the upper half.
+  const double attn_per_layer =
+      4 * tokens * t * static_cast<double>(c.num_heads * c.head_dim) * (attention == AttentionPath::flash ? 0.5 : 1.0);
+  const double forward = 2 * matmul_params(c) * tokens + attn_per_layer * layers;
+  double recompute = 0;
+  const double layer_forward = (forward - 2 * static_cast<double>(c.vocab_size * c.hidden_size) * tokens) / layers;
+  switch (checkpointing.kind) {
+    case CheckpointPolicy::Kind::none: break;
+    case CheckpointPolicy::Kind::full: recompute = layer_forward * layers; break;
+    case CheckpointPolicy::Kind::every: {
+      const int64_t k = std::max<int64_t>(1, checkpointing.every);
+      recompute = layer_forward * static_cast<double>((c.num_layers + k - 1) / k);
+      break;
+    }
+    case CheckpointPolicy::Kind::selective:
+      recompute = (2 * attention_matmul_params(c) * tokens + attn_per_layer) * layers;
+      break;
+  }
+  return 3 * forward + recompute;  // backward is twice the forward
+}
+
+CostModel CostModel::flops_only() { return CostModel(); }
+
+CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
+                               int timed) {
+  CostModel m;
+  if (precisions.empty()) return m;
+  const ModelConfig model = load_model_config(base.model, base.overrides);
+  larger = std::max<int64_t>(2, larger);
+  // Median seconds of a step at `rows` in precision `p` (after one warm-up step).
+  auto time_step = [&](Precision p, int64_t rows) {
+    RunConfig cfg = base;
+    cfg.batch = rows;
+    cfg.accum = 1;
+    cfg.precision = precision_name(p);
+    cfg.checkpointing = "none";
+    cfg.attention = "flash";
+    cfg.steps = 1 + timed;
+    cfg.eval_rows = 0;
+    cfg.quiet = true;
+    cfg.json = false;
+    cfg.memory_budget.clear();  // timing only; memory is the estimator's business
+    cfg.metrics.clear();
+    cfg.checkpoint.clear();
+    cfg.resume.clear();
+    cfg.stop_at = 0;
+    cfg.inject_oom.clear();
+    cfg.memory_snapshot.clear();
+    cfg.plan.clear();
+    const TrainSummary s = train(cfg);
+    std::vector<double> times(s.step_seconds.begin() + 1, s.step_seconds.end());
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  // The run's own precision (or the first) gets the full two-point fit; the others are timed at the
+  // larger batch only and keep its split between fixed and per-FLOP cost, scaled.
+  Precision anchor = precisions.front();
+  for (Precision p : precisions) {
+    if (precision_name(p) == base.precision) anchor = p;
+  }
+  const double f1 = micro_batch_flops(model, 1, base.seq, {}, AttentionPath::flash);
+  const double f2 = micro_batch_flops(model, larger, base.seq, {}, AttentionPath::flash);
+  const double t1 = time_step(anchor, 1), t2 = time_step(anchor, larger);
+  StepTimeFit fit;
+  fit.seconds_per_flop = (t2 - t1) / (f2 - f1);
+  fit.seconds_per_micro_batch = t1 - fit.seconds_per_flop * f1;
+  if (fit.seconds_per_flop <= 0 || fit.seconds_per_micro_batch < 0) {
+    // Timing noise beat the signal: all of it proportional to the work.
+    fit.seconds_per_flop = t2 / f2;
+    fit.seconds_per_micro_batch = 0;
+  }
+  m.fits_[anchor] = fit;
+  for (Precision p : precisions) {
+    if (p == anchor) continue;
+    const double scale = time_step(p, larger) / t2;
+    m.fits_[p] = {fit.seconds_per_micro_batch * scale, fit.seconds_per_flop * scale};
+  }
+  return m;
+}
+
+double CostModel::step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq,
+                               Precision precision, const CheckpointPolicy& checkpointing,
+                               AttentionPath attention) const {
+  StepTimeFit fit{0, 1e-12};
+  if (auto it = fits_.find(precision); it != fits_.end()) fit = it->second;
+  const int64_t full = global_rows / micro, rest = global_rows % micro;
+  double seconds = static_cast<double>(full) *
+                   (fit.seconds_per_micro_batch +
+                    fit.seconds_per_flop * micro_batch_flops(model, micro, seq, checkpointing, attention));
+  if (rest > 0) {
+    seconds += fit.seconds_per_micro_batch +
+               fit.seconds_per_flop * micro_batch_flops(model, rest, seq, checkpointing, attention);
+  }
+  return seconds;
+}
+
+}  // namespace headroom

@@ -1,0 +1,54 @@
+// CostModel — the step time of a plan, relative to the others (lever 8's other half: what a lever
+// costs in time).
+//
+// Work is counted in FLOPs: the matmuls (2 per weight and token forward, 4 backward), attention's
+// two seq² products per head (causal flash skips about half), and what checkpointing recomputes
+// (another forward of each checkpointed block). Time is a + b · FLOPs per micro-batch: `a`, the
+// fixed cost of a micro-batch (dispatch, the loss, small-kernel inefficiency), and `b`, seconds per
+// FLOP, differ by precision and device and are calibrated on this machine by timing real training
+// steps of the model at two micro-batch sizes. A plan of k micro-batches costs k·a + b·ΣFLOPs.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "model/attention.h"
+#include "model/checkpointing.h"
+#include "train/precision.h"
+#include "train/run_config.h"
+
+namespace headroom {
+
+// FLOPs of one micro-batch's forward and backward (with recompute) of `rows` sequences.
+double micro_batch_flops(const ModelConfig& model, int64_t rows, int64_t seq, const CheckpointPolicy& checkpointing,
+                         AttentionPath attention);
+
+struct StepTimeFit {
+  double seconds_per_micro_batch = 0;  // a
+  double seconds_per_flop = 0;         // b
+};
+
+class CostModel {
+ public:
+  // Times real steps of `base` (its model, seq and device; 1 warm-up step, then the median of
+  // `timed` steps): in base's precision (or the first asked for) at micro-batches 1 and `larger`,
+  // which splits fixed from per-FLOP cost; each other precision at `larger` only, scaling both.
+  static CostModel calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
+                             int timed = 1);
+  // Uncalibrated: FLOPs only (every precision the same speed, no per-micro-batch cost).
+  static CostModel flops_only();
+
+  // Seconds of one optimizer step of `global_rows` sequences as micro-batches of `micro` rows.
+  double step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq, Precision precision,
+                      const CheckpointPolicy& checkpointing, AttentionPath attention) const;
+  bool calibrated() const { return !fits_.empty(); }
+  const std::map<Precision, StepTimeFit>& fits() const { return fits_; }
+
+ private:
+  std::map<Precision, StepTimeFit> fits_;
+};
+
+}  // namespace headroom

@@ -1,0 +1,57 @@
+// Planner — the fastest way to train a global batch within a memory budget (levers 3, 4, 5, 6, 8).
+//
+// Enumerates micro-batch × accumulation (the global batch of sequences per optimizer step fixed),
+// precision, checkpointing policy and attention path — and the optimizer only when allowed, since
+// it changes the training dynamics — predicts each candidate's peak with the estimator, keeps those
+// under the budget less a safety margin, and ranks them by the cost model's step time. Two stages,
+// so that the (measured) cost model is calibrated only for the precisions that can fit.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "plan/cost_model.h"
+#include "train/run_config.h"
+
+namespace headroom {
+
+struct Plan {
+  int64_t batch = 0;  // micro-batch
+  int64_t accum = 0;
+  std::string precision, checkpointing, optimizer, attention;
+  int64_t predicted_peak_bytes = 0;
+  double predicted_step_seconds = 0;
+  double predicted_step_time_ratio = 1;  // to the best plan's
+  nlohmann::json to_json() const;
+};
+
+struct PlanRequest {
+  RunConfig base;            // model, overrides, seq, data, device, and the precision and optimizer asked for
+  int64_t global_batch = 0;  // sequences per optimizer step
+  int64_t budget = 0;        // bytes
+  double margin = 0.05;      // kept free of the budget, for what the estimator cannot see
+  bool allow_optimizer_change = false;
+};
+
+struct PlanResult {
+  std::vector<Plan> plans;  // best first
+  int64_t considered = 0;
+  int64_t smallest_peak = 0;  // over every candidate, fitting or not
+  std::string smallest_peak_plan;
+  nlohmann::json to_json() const;  // {"plans": [...], "considered", "global_batch", "budget_bytes"}
+};
+
+// Stage 1: every candidate the estimator says fits (unranked; step times not yet set).
+PlanResult fitting_plans(const PlanRequest& request);
+// The precisions among `plans`, for calibrating the cost model.
+std::vector<Precision> precisions_of(const PlanResult& plans);
+// Stage 2: step times from `cost`, sorted fastest first (smaller peak breaking ties), ratios to the
+// fastest.
+void rank_plans(PlanResult& plans, const PlanRequest& request, const CostModel& cost);
+
+// `config` set to run `plan`.
+RunConfig with_plan(RunConfig config, const Plan& plan);
+
+}  // namespace headroom

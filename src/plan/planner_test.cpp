@@ -1,0 +1,107 @@
+#include "plan/planner.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "estimate/estimator.h"
+#include "memory/oom_report.h"
+#include "train/trainer.h"
+#include "util/size.h"
+
+namespace headroom {
+namespace {
+
+RunConfig small_llama() {
+  RunConfig c;
+  c.model = "tiny";
+  c.overrides = {"num_hidden_layers=2", "hidden_size=128", "intermediate_size=256", "num_attention_heads=4",
+                 "num_key_value_heads=2"};
+  c.seq = 64;
+  c.device = "cpu";
+  c.eval_rows = 0;
+  c.quiet = true;
+  return c;
+}
+
+int64_t naive_peak(const RunConfig& base, int64_t global) {
+  RunConfig naive = base;
+  naive.batch = global;
+  naive.accum = 1;
+  return estimate(load_model_config(naive.model, naive.overrides), train_spec(naive)).peak_bytes;
+}
+
+TEST(Planner, TheTopPlanTrainsUnderItsBudget) {
+  const RunConfig base = small_llama();
+  const int64_t global = 16;
+  PlanRequest r;
+  r.base = base;
+  r.global_batch = global;
+  r.budget = naive_peak(base, global) * 6 / 10;  // the naive setting does not fit
+  PlanResult plans = fitting_plans(r);
+  ASSERT_FALSE(plans.plans.empty());
+  rank_plans(plans, r, CostModel::flops_only());
+  for (size_t i = 0; i < plans.plans.size(); ++i) {
+    const Plan& p = plans.plans[i];
+    EXPECT_LE(static_cast<double>(p.predicted_peak_bytes), static_cast<double>(r.budget) * (1 - r.margin));
+    EXPECT_EQ(p.optimizer, base.optimizer) << "the optimizer changes only when allowed";
+    EXPECT_GE(p.batch * p.accum, global);
+    EXPECT_LT(p.batch * (p.accum - 1), global);
+    if (i > 0) EXPECT_GE(p.predicted_step_seconds, plans.plans[i - 1].predicted_step_seconds);
+  }
+  EXPECT_DOUBLE_EQ(plans.plans.front().predicted_step_time_ratio, 1.0);
+
+  RunConfig run = with_plan(base, plans.plans.front());
+  run.memory_budget = std::to_string(r.budget);
+  run.no_guard = true;  // an OOM would end the run: the plan must fit as predicted
+  run.steps = 3;
+  const TrainSummary s = train(run);
+  EXPECT_EQ(s.steps, 3);
+  EXPECT_LE(s.peak_bytes, r.budget);
+}
+
+TEST(Planner, OtherOptimizersOnlyWhenAllowedAndNothingFittingIsExplained) {
+  PlanRequest r;
+  r.base = small_llama();
+  r.global_batch = 8;
+  r.budget = naive_peak(r.base, 8);
+  r.allow_optimizer_change = true;
+  const PlanResult all = fitting_plans(r);
+  bool other = false;
+  for (const Plan& p : all.plans) other = other || p.optimizer != r.base.optimizer;
+  EXPECT_TRUE(other);
+
+  r.budget = 1 << 20;  // 1 MiB: not even the weights and optimizer state
+  const PlanResult none = fitting_plans(r);
+  EXPECT_TRUE(none.plans.empty());
+  EXPECT_GT(none.smallest_peak, r.budget);
+  EXPECT_NE(none.smallest_peak_plan.find("micro-batch 1"), std::string::npos) << none.smallest_peak_plan;
+}
+
+TEST(CostModel, CountsRecomputeAndTheFixedCostOfEachMicroBatch) {
+  const RunConfig base = small_llama();
+  const ModelConfig m = load_model_config(base.model, base.overrides);
+  const auto none = parse_checkpoint_policy("none"), selective = parse_checkpoint_policy("selective");
+  const auto every2 = parse_checkpoint_policy("every:2"), full = parse_checkpoint_policy("full");
+  const double f_none = micro_batch_flops(m, 4, 64, none, AttentionPath::flash);
+  EXPECT_LT(f_none, micro_batch_flops(m, 4, 64, selective, AttentionPath::flash));
+  EXPECT_LT(micro_batch_flops(m, 4, 64, selective, AttentionPath::flash),
+            micro_batch_flops(m, 4, 64, full, AttentionPath::flash));
+  EXPECT_LE(micro_batch_flops(m, 4, 64, every2, AttentionPath::flash),
+            micro_batch_flops(m, 4, 64, full, AttentionPath::flash));
+  // Full recompute: one more forward, a third more than forward + backward (less the head's share).
+  EXPECT_NEAR(micro_batch_flops(m, 4, 64, full, AttentionPath::flash) / f_none, 4.0 / 3.0, 0.1);
+  EXPECT_LT(f_none, micro_batch_flops(m, 4, 64, none, AttentionPath::math));
+
+  const CostModel cost = CostModel::calibrate(base, {Precision::fp32}, 4);
+  ASSERT_TRUE(cost.calibrated());
+  const StepTimeFit fit = cost.fits().at(Precision::fp32);
+  EXPECT_GT(fit.seconds_per_flop, 0);
+  EXPECT_GE(fit.seconds_per_micro_batch, 0);
+  // The same work in 8 micro-batches costs at least as much as in one.
+  EXPECT_GE(cost.step_seconds(m, 1, 8, 64, Precision::fp32, none, AttentionPath::flash),
+            cost.step_seconds(m, 8, 8, 64, Precision::fp32, none, AttentionPath::flash));
+}
+
+}  // namespace
+}  // namespace headroom
