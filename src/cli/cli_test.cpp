@@ -1,14 +1,13 @@
 // The command line as a user meets it: exit codes, one-line errors, --json's single object.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <nlohmann/json.hpp>
+#include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
-#include <sys/wait.h>
 
 #include "device/cuda_adapter.h"
 #include "testing/temp_dir.h"
@@ -144,6 +143,39 @@ TEST(Cli, FitPrintsTheContractAndNeedsABudgetOnCpu) {
   const Result none = run("fit --model small --memory-budget 50MiB --device cpu --json --quiet");
   EXPECT_EQ(none.code, 3);
   EXPECT_EQ(nlohmann::json::parse(none.out)["max_batch"], 0);
+}
+
+TEST(Cli, EstimateAndPlanPrintTheirContracts) {
+  const Result e = run("estimate --set num_hidden_layers=2 --seq 64 --batch 4 --device cpu --json --quiet");
+  ASSERT_EQ(e.code, 0) << e.err;
+  const auto est = nlohmann::json::parse(e.out);
+  for (const char* key : {"model", "peak_bytes", "peak_phase", "breakdown", "items", "phases"}) {
+    EXPECT_TRUE(est.contains(key)) << key;
+  }
+  EXPECT_EQ(est["model"]["params"].get<int64_t>(), 3'033'344 - 2 * 725'504);  // tiny less two layers
+  const Result over = run("estimate --seq 64 --batch 4 --device cpu --memory-budget 10MiB --json --quiet");
+  EXPECT_EQ(over.code, 3);
+  EXPECT_FALSE(nlohmann::json::parse(over.out)["fits"].get<bool>());
+
+  const Result p =
+      run("plan --set num_hidden_layers=2 --seq 64 --global-batch 8 --memory-budget 60MiB --device cpu "
+          "--no-calibrate --json --quiet");
+  ASSERT_EQ(p.code, 0) << p.err;
+  const auto plans = nlohmann::json::parse(p.out)["plans"];
+  ASSERT_FALSE(plans.empty());
+  for (const auto& plan : plans) {
+    for (const char* key : {"batch", "accum", "precision", "checkpointing", "optimizer", "attention",
+                            "predicted_peak_bytes", "predicted_step_time_ratio"}) {
+      EXPECT_TRUE(plan.contains(key)) << key;
+    }
+  }
+  EXPECT_DOUBLE_EQ(plans[0]["predicted_step_time_ratio"].get<double>(), 1.0);
+  expect_usage_error("plan --memory-budget 60MiB --device cpu", "--global-batch is required");
+  const Result none = run("plan --global-batch 8 --memory-budget 1MiB --device cpu --no-calibrate");
+  EXPECT_EQ(none.code, 3);
+  EXPECT_EQ(lines(none.err), 1u) << none.err;
+  EXPECT_THAT(none.err, HasSubstr("no plan fits 1.00 MiB"));
+  expect_usage_error("train --plan manual", "--plan 'manual': accepted: auto");
 }
 
 TEST(Cli, HelpListsTheFlagsAndExitCodes) {

@@ -1,14 +1,14 @@
 // headroom — makes Transformer training fit in accelerator memory. Entry point: parses the command
 // line, runs one subcommand, and turns every failure into a one-line message and an exit code.
-#include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/estimate_command.h"
@@ -54,7 +54,8 @@ int main(int argc, char** argv) {
 
   const bool json = wants_json(argc, argv);
   std::vector<std::string> names;
-  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(sub->get_name());
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    names.push_back(sub->get_name());
   if (argc > 1 && argv[1][0] != '-' && std::find(names.begin(), names.end(), argv[1]) == names.end()) {
     return report(json, kExitUsage, "error",
                   fmt::format("unknown command '{}'; commands: {}", argv[1], fmt::join(names, ", ")));
@@ -70,13 +71,17 @@ int main(int argc, char** argv) {
   }
   try {
     return run ? run() : kExitUsage;
+  } catch (const DoesNotFit& e) {
+    return report(json, kExitOom, "does not fit", e.what());
   } catch (const Error& e) {
     return report(json, kExitUsage, "error", e.what());
   } catch (const OutOfMemory& e) {
     fmt::print(stderr, "headroom: {}\n", e.report().to_text());
     if (json) {
-      fmt::print("{}\n", dump_json({{"error", e.report().message}, {"kind", "out of memory"},
-                                    {"exit_code", kExitOom}, {"oom", e.report().to_json()}}));
+      fmt::print("{}\n", dump_json({{"error", e.report().message},
+                                    {"kind", "out of memory"},
+                                    {"exit_code", kExitOom},
+                                    {"oom", e.report().to_json()}}));
     }
     return kExitOom;
   } catch (const c10::OutOfMemoryError& e) {

@@ -51,10 +51,10 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
 }
 
 [[noreturn]] void nothing_fits(const PlanResult& result, const PlanRequest& r) {
-  fail(
+  throw DoesNotFit(fmt::format(
       "no plan fits {} (less the {:.0f}% margin): the smallest predicted peak is {} ({}); other levers: a lighter "
       "optimizer (--allow-optimizer-change), a shorter --seq, or a larger budget",
-      format_bytes(r.budget), 100 * r.margin, format_bytes(result.smallest_peak), result.smallest_peak_plan);
+      format_bytes(r.budget), 100 * r.margin, format_bytes(result.smallest_peak), result.smallest_peak_plan));
 }
 
 }  // namespace

@@ -17,6 +17,12 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 
+// A configuration that cannot fit in the memory it is given (nothing to retry): exit code 3.
+class DoesNotFit : public Error {
+ public:
+  using Error::Error;
+};
+
 // Formats and throws an Error: fail("--batch must be positive, got {}", n).
 template <typename... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
