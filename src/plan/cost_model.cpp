@@ -59,14 +59,14 @@ CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precisio
   const ModelConfig model = load_model_config(base.model, base.overrides);
   larger = std::max<int64_t>(2, larger);
   // Median seconds of a step at `rows` in precision `p` (after one warm-up step).
-  auto time_step = [&](Precision p, int64_t rows) {
+  auto time_step = [&](Precision p, int64_t rows, int steps_timed) {
     RunConfig cfg = base;
     cfg.batch = rows;
     cfg.accum = 1;
     cfg.precision = precision_name(p);
     cfg.checkpointing = "none";
     cfg.attention = "flash";
-    cfg.steps = 1 + timed;
+    cfg.steps = 1 + steps_timed;
     cfg.eval_rows = 0;
     cfg.quiet = true;
     cfg.json = false;
@@ -91,7 +91,9 @@ CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precisio
   }
   const double f1 = micro_batch_flops(model, 1, base.seq, {}, AttentionPath::flash);
   const double f2 = micro_batch_flops(model, larger, base.seq, {}, AttentionPath::flash);
-  const double t1 = time_step(anchor, 1), t2 = time_step(anchor, larger);
+  const double t1 = time_step(anchor, 1, timed + 2), t2 = time_step(anchor, larger, timed + 2);
+  // (An anchor measured with more steps: the split between fixed and per-FLOP cost decides between
+  // many small micro-batches and few large ones.)
   StepTimeFit fit;
   fit.seconds_per_flop = (t2 - t1) / (f2 - f1);
   fit.seconds_per_micro_batch = t1 - fit.seconds_per_flop * f1;
@@ -103,7 +105,7 @@ CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precisio
   m.fits_[anchor] = fit;
   for (Precision p : precisions) {
     if (p == anchor) continue;
-    const double scale = time_step(p, larger) / t2;
+    const double scale = time_step(p, larger, timed) / t2;
     m.fits_[p] = {fit.seconds_per_micro_batch * scale, fit.seconds_per_flop * scale};
   }
   return m;

@@ -47,8 +47,8 @@ struct PlanResult {
 PlanResult fitting_plans(const PlanRequest& request);
 // The precisions among `plans`, for calibrating the cost model.
 std::vector<Precision> precisions_of(const PlanResult& plans);
-// Stage 2: step times from `cost`, sorted fastest first (smaller peak breaking ties), ratios to the
-// fastest.
+// Stage 2: step times from `cost`, sorted fastest first (fewer micro-batches, then the smaller
+// peak, breaking ties), ratios to the fastest.
 void rank_plans(PlanResult& plans, const PlanRequest& request, const CostModel& cost);
 
 // `config` set to run `plan`.
