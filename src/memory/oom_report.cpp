@@ -2,24 +2,37 @@
 
 #include <fmt/format.h>
 
+#include <regex>
+
+#include "util/error.h"
 #include "util/size.h"
 
 namespace headroom {
 
 nlohmann::json OomReport::to_json() const {
-  return {{"happened", true},     {"step", step}, {"during_setup", during_setup},     {"phase", std::string(phase_name(phase))},
-          {"requested_bytes", requested}, {"in_use_bytes", in_use}, {"budget_bytes", budget},
-          {"injected", injected}, {"breakdown", breakdown.to_json()}, {"message", message}, {"advice", advice},
-          {"live_before_step_bytes", live_before_step}, {"live_after_cleanup_bytes", live_after_cleanup}};
+  return {{"happened", true},
+          {"step", step},
+          {"during_setup", during_setup},
+          {"phase", std::string(phase_name(phase))},
+          {"requested_bytes", requested},
+          {"in_use_bytes", in_use},
+          {"budget_bytes", budget},
+          {"injected", injected},
+          {"breakdown", breakdown.to_json()},
+          {"message", message},
+          {"advice", advice},
+          {"live_before_step_bytes", live_before_step},
+          {"live_after_cleanup_bytes", live_after_cleanup}};
 }
 
 std::string OomReport::to_text() const {
   if (during_setup) {
-    return fmt::format("out of memory allocating the model and optimizer state, before the first step: the "
-                       "weights need {} and the optimizer state comes on top{}; a smaller model, a lighter "
-                       "optimizer, pure bf16 or a larger budget is needed\n  allocator: {}",
-                       format_bytes(breakdown.weights),
-                       budget >= 0 ? fmt::format(", within a {} budget", format_bytes(budget)) : "", message);
+    return fmt::format(
+        "out of memory allocating the model and optimizer state, before the first step: the "
+        "weights need {} and the optimizer state comes on top{}; a smaller model, a lighter "
+        "optimizer, pure bf16 or a larger budget is needed\n  allocator: {}",
+        format_bytes(breakdown.weights), budget >= 0 ? fmt::format(", within a {} budget", format_bytes(budget)) : "",
+        message);
   }
   std::string out = fmt::format("out of memory in {} of step {}", phase_name(phase), step);
   if (requested >= 0) out += fmt::format(": tried to allocate {}", format_bytes(requested));
@@ -40,6 +53,18 @@ std::string OomReport::to_text() const {
   if (!advice.empty()) out += "\n  " + advice;
   out += "\n  allocator: " + message;
   return out;
+}
+
+int64_t requested_bytes_of(const std::string& message) {
+  static const std::regex pattern(R"(Tried to allocate ([0-9.]+) ?([KMGT]i?B|B|bytes))");
+  std::smatch m;
+  if (!std::regex_search(message, m, pattern)) return 0;
+  try {
+    const std::string unit = m[2].str() == "bytes" ? "B" : m[2].str();
+    return parse_size(m[1].str() + unit, "requested");
+  } catch (const Error&) {
+    return 0;
+  }
 }
 
 }  // namespace headroom

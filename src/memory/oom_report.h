@@ -33,6 +33,9 @@ struct OomReport {
   std::string to_text() const;
 };
 
+// The size in "Tried to allocate 20.00 MiB" of PyTorch's CUDA OOM message; 0 when absent.
+int64_t requested_bytes_of(const std::string& message);
+
 class OutOfMemory : public std::runtime_error {
  public:
   explicit OutOfMemory(OomReport report) : std::runtime_error(report.message), report_(std::move(report)) {}

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <limits>
 
 #include "config/model_config.h"
@@ -16,7 +17,9 @@
 #include "device/autocast_adapter.h"
 #include "device/cuda_adapter.h"
 #include "device/device.h"
+#include "estimate/estimator.h"
 #include "memory/budget_allocator.h"
+#include "memory/cache_policy.h"
 #include "memory/memory_monitor.h"
 #include "memory/memory_probe.h"
 #include "memory/oom_report.h"
@@ -115,8 +118,50 @@ OomReport diagnose_oom(const c10::OutOfMemoryError& e, const MemoryProbe& probe,
   return r;
 }
 
-// What would let the step fit, from what held the memory when it failed. (The estimator will
-// put numbers on each.)
+// Each lever that applies, alone and then all together, at micro-batch 1: its predicted peak, and
+// whether that fits `budget`.
+std::string estimated_levers(const RunConfig& cfg, int64_t budget) {
+  struct Change {
+    std::string flag;
+    std::function<void(RunConfig&)> apply;
+  };
+  std::vector<Change> changes;
+  if (cfg.checkpointing != "full")
+    changes.push_back({"--checkpointing full", [](RunConfig& c) { c.checkpointing = "full"; }});
+  if (cfg.precision == "fp32") {
+    changes.push_back({"--precision bf16-mixed", [](RunConfig& c) { c.precision = "bf16-mixed"; }});
+  }
+  if (cfg.precision != "bf16") changes.push_back({"--precision bf16", [](RunConfig& c) { c.precision = "bf16"; }});
+  if (cfg.attention == "math") changes.push_back({"--attention flash", [](RunConfig& c) { c.attention = "flash"; }});
+  if (cfg.optimizer != "sgd" && cfg.optimizer != "adafactor") {
+    changes.push_back({"--optimizer adafactor", [](RunConfig& c) { c.optimizer = "adafactor"; }});
+  }
+  if (cfg.seq >= 32) {
+    changes.push_back({fmt::format("--seq {}", cfg.seq / 2), [](RunConfig& c) { c.seq /= 2; }});
+  }
+  if (changes.empty()) return "";
+  const ModelConfig model = load_model_config(cfg.model, cfg.overrides);
+  RunConfig one = cfg;
+  one.batch = 1;
+  one.accum = 1;
+  auto peak_of = [&](const RunConfig& c) { return estimate(model, train_spec(c)).peak_bytes; };
+  std::vector<std::string> parts;
+  RunConfig all = one;
+  for (const Change& ch : changes) {
+    RunConfig c = one;
+    ch.apply(c);
+    if (ch.flag != "--precision bf16" || cfg.precision == "bf16") ch.apply(all);  // pure bf16 only alone
+    const int64_t peak = peak_of(c);
+    parts.push_back(fmt::format("{} {} ({})", ch.flag, format_bytes(peak), peak <= budget ? "fits" : "does not fit"));
+  }
+  const int64_t together = peak_of(all);
+  return fmt::format("; by the estimator, at micro-batch 1 with {} of budget: {}; all but pure bf16 together {} ({})",
+                     format_bytes(budget), fmt::join(parts, ", "), format_bytes(together),
+                     together <= budget ? "fits" : "does not fit");
+}
+
+// What would let the step fit, from what held the memory when it failed, with the estimator's
+// numbers for each lever when there is a budget.
 std::string oom_advice(const OomReport& r, const RunConfig& cfg, int64_t micro, bool updating) {
   std::vector<std::string> levers;
   const Breakdown& b = r.breakdown;
@@ -138,7 +183,9 @@ std::string oom_advice(const OomReport& r, const RunConfig& cfg, int64_t micro, 
   if (r.budget >= 0) levers.push_back("a larger --memory-budget");
   std::string out = cfg.no_guard ? "the OOM guard is off (--no-guard); " : "";
   if (!cfg.no_guard && micro == 1) out += "micro-batch 1 does not fit either; ";
-  return out + "levers that reduce this step's memory: " + fmt::format("{}", fmt::join(levers, "; "));
+  out += "levers that reduce this step's memory: " + fmt::format("{}", fmt::join(levers, "; "));
+  if (r.budget > 0) out += estimated_levers(cfg, r.budget);
+  return out;
 }
 
 void arm_injection(const RunConfig::OomInjection& o) {
@@ -300,6 +347,7 @@ TrainSummary train(const RunConfig& cfg) {
   const int64_t end = cfg.stop_at > 0 ? cfg.stop_at : cfg.steps;
   const int64_t global_rows = cfg.batch * cfg.accum;  // sequences per optimizer step, fixed
   int64_t micro = cfg.batch;                          // the guard may lower it; it stays lowered
+  bool expandable_segments = false;                   // cuda: switched on once fragmentation caused an OOM
   for (int64_t step = start; step < end; ++step) {
     const auto t0 = Clock::now();
     seed_step(cfg.seed, step);
@@ -357,7 +405,31 @@ TrainSummary train(const RunConfig& cfg) {
         }
         break;
       } catch (const c10::OutOfMemoryError& e) {
+        // On cuda, the allocator's state at the failure, before the step's memory is released.
+        CacheState cache;
+        if (device.is_cuda()) {
+          const CudaMemoryStats st = cuda_memory_stats(device.index());
+          cache = {st.allocated_bytes, st.reserved_bytes, st.inactive_split_bytes,
+                   requested_bytes_of(e.what_without_backtrace()), expandable_segments};
+        }
         OomReport report = diagnose_oom(e, *probe, monitor, params);
+        if (device.is_cuda() && !cfg.no_guard && !updating) {
+          const CacheDecision d = after_oom(cache);
+          if (d.action == CacheAction::expandable_segments) {
+            // Fragmentation, not size: the same micro-batch again, in expandable segments.
+            cuda_set_allocator_settings("expandable_segments:True");
+            expandable_segments = true;
+            if (!cfg.quiet) {
+              fmt::print(stderr,
+                         "step {}: out of memory with micro-batch {}: {}; expandable segments on, same "
+                         "micro-batch again\n",
+                         step + 1, micro, d.reason);
+            }
+            ++recoveries;
+            seed_step(cfg.seed, step);
+            continue;
+          }
+        }
         if (cfg.no_guard || updating || micro == 1) {
           if (injection) BudgetAllocator::install().disarm();
           report.advice = oom_advice(report, cfg, micro, updating);
@@ -374,6 +446,11 @@ TrainSummary train(const RunConfig& cfg) {
         micro = smaller;
         ++recoveries;
         seed_step(cfg.seed, step);
+        if (device.is_cuda()) {
+          // Segments cut for the old shapes: returned once if enough of the reservation is idle.
+          const CudaMemoryStats st = cuda_memory_stats(device.index());
+          if (empty_cache_after_reshape(st.allocated_bytes, st.reserved_bytes)) cuda_empty_cache();
+        }
       }
     }
     if (injection && injection->step == step + 1) BudgetAllocator::install().disarm();
