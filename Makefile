@@ -15,7 +15,7 @@ build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
 run: build
-	$(BUILD)/headroom train
+	$(BUILD)/headroom doctor --report $(BUILD)/doctor.html
 
 test: build
 	cd $(BUILD) && ctest -j $(JOBS) --output-on-failure

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "cli/doctor_command.h"
 #include "cli/estimate_command.h"
 #include "cli/fit_command.h"
 #include "cli/plan_command.h"
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
   add_fit_command(app, run);
   add_estimate_command(app, run);
   add_plan_command(app, run);
+  add_doctor_command(app, run);
 
   const bool json = wants_json(argc, argv);
   std::vector<std::string> names;

@@ -52,6 +52,17 @@ double micro_batch_flops(const ModelConfig& c, int64_t rows, int64_t seq, const 
 
 CostModel CostModel::flops_only() { return CostModel(); }
 
+CostModel CostModel::with_ratios(const CostModel& anchor, Precision measured,
+                                 const std::map<Precision, double>& ratios) {
+  CostModel m = anchor;
+  const auto it = anchor.fits_.find(measured);
+  if (it == anchor.fits_.end()) return m;
+  for (const auto& [p, ratio] : ratios) {
+    m.fits_[p] = {it->second.seconds_per_micro_batch * ratio, it->second.seconds_per_flop * ratio};
+  }
+  return m;
+}
+
 CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
                                int timed) {
   CostModel m;

@@ -38,6 +38,9 @@ class CostModel {
   // which splits fixed from per-FLOP cost; each other precision at `larger` only, scaling both.
   static CostModel calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
                              int timed = 1);
+  // `anchor` (calibrated in precision `measured`) extended to other precisions by measured ratios of
+  // step time (theirs / the anchor's at the same micro-batch), as the doctor's lever trials give.
+  static CostModel with_ratios(const CostModel& anchor, Precision measured, const std::map<Precision, double>& ratios);
   // Uncalibrated: FLOPs only (every precision the same speed, no per-micro-batch cost).
   static CostModel flops_only();
 

@@ -106,6 +106,9 @@ const std::vector<RunField>& run_fields() {
       text("inject-oom",
            "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
            "STEP:above:SIZE (its first allocation larger than SIZE)", &RunConfig::inject_oom),
+      text("inject-leak",
+           "plant a leak, for the leak detector: keep-graph (losses summed without detaching, backward told to "
+           "retain the graph) or keep-outputs (each step's logits kept)", &RunConfig::inject_leak),
       text("metrics", "write one JSON object per optimizer step to this JSONL file", &RunConfig::metrics),
       text("checkpoint", "save checkpoints (atomically) into this directory", &RunConfig::checkpoint),
       integer("checkpoint-every", "also checkpoint every N steps (0: only at the end)",
@@ -228,6 +231,9 @@ void validate(const RunConfig& c) {
   if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
+  if (!c.inject_leak.empty() && c.inject_leak != "keep-graph" && c.inject_leak != "keep-outputs") {
+    fail("--inject-leak '{}': accepted: keep-graph, keep-outputs", c.inject_leak);
+  }
   if (!c.plan.empty() && c.plan != "auto") fail("--plan '{}': accepted: auto", c.plan);
   c.budget_bytes();  // these parse, or throw naming the flag
   c.oom_injection();

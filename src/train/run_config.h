@@ -36,6 +36,7 @@ struct RunConfig {
   std::string memory_budget;    // size text; empty: none. cpu: a simulated device; cuda: a cap
   std::string memory_snapshot;  // cuda: write PyTorch's memory snapshot pickle here at the end
   std::string inject_oom;       // cpu fault injection: "STEP:N" (N-th allocation) or "STEP:above:SIZE"
+  std::string inject_leak;      // planted leak: "keep-graph" or "keep-outputs"
   std::string metrics;     // JSONL path
   std::string checkpoint;  // directory
   int64_t checkpoint_every = 0;  // steps; 0: only at the end

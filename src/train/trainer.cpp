@@ -348,6 +348,8 @@ TrainSummary train(const RunConfig& cfg) {
   const int64_t global_rows = cfg.batch * cfg.accum;  // sequences per optimizer step, fixed
   int64_t micro = cfg.batch;                          // the guard may lower it; it stays lowered
   bool expandable_segments = false;                   // cuda: switched on once fragmentation caused an OOM
+  std::vector<at::Tensor> leaked_outputs;             // --inject-leak keep-outputs
+  at::Tensor leaked_total;                            // --inject-leak keep-graph
   for (int64_t step = start; step < end; ++step) {
     const auto t0 = Clock::now();
     seed_step(cfg.seed, step);
@@ -377,14 +379,22 @@ TrainSummary train(const RunConfig& cfg) {
           {
             auto phase = monitor.phase(Phase::forward);
             AutocastScope autocast(device.type(), forward_autocast(precision));
-            micro_loss = token_loss(model.forward(inputs, train_forward), targets);
+            const at::Tensor logits = model.forward(inputs, train_forward);
+            if (cfg.inject_leak == "keep-outputs") leaked_outputs.push_back(logits.detach());
+            micro_loss = token_loss(logits, targets);
+            if (cfg.inject_leak == "keep-graph") {
+              leaked_total = leaked_total.defined() ? leaked_total + micro_loss : micro_loss;
+            }
           }
           // Token-weighted: the sum over micro-batches equals the global batch's mean loss.
           const double weight = static_cast<double>(inputs.numel()) / static_cast<double>(tokens_per_step);
           {
             auto phase = monitor.phase(Phase::backward);
             at::Tensor weighted = micro_loss * weight;
-            (scaler ? scaler->scale(weighted) : weighted).backward();
+            // A planted keep-graph leak retains each step's graph, as the "fix" for backward
+            // complaining about the summed losses' freed graph does.
+            (scaler ? scaler->scale(weighted) : weighted)
+                .backward({}, /*retain_graph=*/cfg.inject_leak == "keep-graph");
           }
           loss += micro_loss.item<double>() * weight;
         }
@@ -486,6 +496,7 @@ TrainSummary train(const RunConfig& cfg) {
     metrics.write(rec);
     train_seconds += rec.seconds;
     summary.step_seconds.push_back(rec.seconds);
+    summary.live_series.push_back({rec.step, rec.live_bytes, mem.peak - mem.phases[0].live_in});
     peak = std::max(peak, rec.peak_bytes);
     summary.steps = step + 1;
     summary.final_loss = loss;
@@ -500,6 +511,9 @@ TrainSummary train(const RunConfig& cfg) {
     }
   }
   summary.seconds = seconds_since(run_start);
+  if (!device.is_cuda()) {
+    summary.surviving = leak_sites(BudgetAllocator::install().live_allocations(), start + 2, end);
+  }
   summary.peak_bytes = peak;
   const int64_t ran = summary.steps - start;
   summary.tokens_per_s = ran > 0 ? static_cast<double>(ran * tokens_per_step) / train_seconds : 0.0;

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "memory/leak_detector.h"
 #include "train/run_config.h"
 
 namespace headroom {
@@ -27,6 +28,9 @@ struct TrainSummary {
   int64_t peak_bytes = 0;   // over the steps this process ran
   double seconds = 0;
   std::vector<double> step_seconds;  // each step this process ran, in order
+  std::vector<StepLive> live_series;  // each step this process ran: live bytes after it, transient
+  // cpu: the allocations made during the steps (after the first two) still alive when the run ended
+  std::vector<LeakSite> surviving;
   std::string device;
   std::string memory_table;   // MemoryMonitor::summary_table()
   std::string memory_source;  // what the memory figures measure

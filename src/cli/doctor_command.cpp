@@ -1,0 +1,70 @@
+#include "cli/doctor_command.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <memory>
+
+#include "cli/run_flags.h"
+#include "doctor/doctor.h"
+#include "doctor/report_html.h"
+#include "util/error.h"
+#include "util/json.h"
+
+namespace headroom {
+
+void add_doctor_command(CLI::App& app, std::function<int()>& run) {
+  CLI::App* cmd = app.add_subcommand(
+      "doctor",
+      "Diagnose a configuration: run it under its budget, explain what happened (OOM, breakdown measured vs\n"
+      "estimated, leaks, fragmentation), try each lever for real, and recommend a plan proven to fit.\n"
+      "With no flags: an embedded default (tiny on the bundled corpus, cpu, batch 16 x seq 128 in 140 MiB,\n"
+      "which does not fit), about a minute on two cores.");
+  auto config =
+      bind_run_flags(cmd, {"model", "set", "data", "batch", "accum", "seq", "seed", "device", "attention", "precision",
+                           "checkpointing", "optimizer", "memory-budget", "inject-leak", "json", "quiet"});
+  auto report = std::make_shared<std::string>();
+  cmd->add_option("--report", *report, "also write a self-contained HTML report (charts as inline SVG) to FILE");
+  cmd->callback([cmd, config, report, &run] {
+    run = [cmd, config, report]() -> int {
+      // No run flags at all: the embedded default.
+      bool any = false;
+      for (const CLI::Option* o : cmd->get_options()) {
+        if (o->count() > 0 && o->get_name() != "--json" && o->get_name() != "--quiet" && o->get_name() != "--report") {
+          any = true;
+        }
+      }
+      RunConfig cfg = any ? config() : doctor_default();
+      if (!any) {
+        const RunConfig flags = config();
+        cfg.json = flags.json;
+        cfg.quiet = flags.quiet;
+      }
+      validate(cfg);
+      const int64_t budget = device_budget(cfg, "doctor");
+      std::FILE* report_file = nullptr;
+      if (!report->empty()) {
+        // Opened first: a bad path fails before a minute of diagnosis, not after.
+        report_file = std::fopen(report->c_str(), "w");
+        if (report_file == nullptr) fail("--report: cannot write '{}'", *report);
+      }
+      const DoctorReport r = run_doctor(cfg, budget, [&](const std::string& line) {
+        if (!cfg.quiet) fmt::print(stderr, "doctor: {}\n", line);
+      });
+      if (report_file != nullptr) {
+        const std::string html = report_html(r);
+        const bool ok = std::fwrite(html.data(), 1, html.size(), report_file) == html.size();
+        if (std::fclose(report_file) != 0 || !ok) fail("--report: writing '{}' failed", *report);
+        if (!cfg.quiet) fmt::print(stderr, "doctor: report written to {}\n", *report);
+      }
+      if (cfg.json) {
+        fmt::print("{}\n", dump_json(r.to_json()));
+      } else {
+        fmt::print("\n{}", r.to_text());
+      }
+      return r.plan_found && r.plan_verified ? 0 : kExitOom;
+    };
+  });
+}
+
+}  // namespace headroom

@@ -1,0 +1,437 @@
+#include "doctor/doctor.h"
+
+#include <fmt/format.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "device/cuda_adapter.h"
+#include "device/device.h"
+#include "memory/oom_report.h"
+#include "train/trainer.h"
+#include "util/error.h"
+#include "util/files.h"
+#include "util/size.h"
+
+namespace headroom {
+namespace {
+
+// A file name in a fresh private directory under /tmp, removed with it.
+class ScratchFile {
+ public:
+  explicit ScratchFile(const std::string& name) {
+    char dir[] = "/tmp/headroom-doctor-XXXXXX";
+    if (::mkdtemp(dir) == nullptr) fail("doctor: cannot create a scratch directory under /tmp");
+    dir_ = dir;
+    path_ = dir_ + "/" + name;
+  }
+  ~ScratchFile() {
+    std::remove(path_.c_str());
+    ::rmdir(dir_.c_str());
+  }
+  ScratchFile(const ScratchFile&) = delete;
+  ScratchFile& operator=(const ScratchFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string dir_, path_;
+};
+
+struct TrialRun {
+  bool fits = false;
+  int64_t peak = 0;
+  double step_seconds = 0;  // median after the first step (the only one if just one)
+  double first_step_seconds = 0;
+  OomReport oom;
+  Breakdown breakdown;  // at the last step's peak (fitted runs)
+  TrainSummary summary;
+  std::vector<PhasePoint> timeline;
+};
+
+// `capped`: under the budget (an OOM ends it early, its figures a lower bound); otherwise on the
+// machine's own memory (cpu), so that the peak is the whole step's.
+TrialRun run_trial(RunConfig c, int64_t steps, bool capped = true) {
+  if (!capped) c.memory_budget.clear();
+  c.steps = steps;
+  c.no_guard = true;
+  c.eval_rows = 0;
+  c.quiet = true;
+  c.json = false;
+  c.checkpoint.clear();
+  c.resume.clear();
+  c.stop_at = 0;
+  c.plan.clear();
+  c.memory_snapshot.clear();
+  ScratchFile metrics("metrics.jsonl");
+  c.metrics = metrics.path();
+  TrialRun t;
+  try {
+    t.summary = train(c);
+    t.fits = true;
+    t.peak = t.summary.peak_bytes;
+    std::vector<double> s(t.summary.step_seconds.begin() + (t.summary.step_seconds.size() > 1 ? 1 : 0),
+                          t.summary.step_seconds.end());
+    std::sort(s.begin(), s.end());
+    t.step_seconds = s.empty() ? 0 : s[s.size() / 2];
+    t.first_step_seconds = t.summary.step_seconds.empty() ? 0 : t.summary.step_seconds.front();
+  } catch (const OutOfMemory& e) {
+    t.oom = e.report();
+    t.peak = t.oom.in_use + std::max<int64_t>(0, t.oom.requested);
+  }
+  std::ifstream in(metrics.path());
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    const int64_t step = j.at("step").get<int64_t>();
+    for (Phase p : kStepPhases) {
+      const std::string name(phase_name(p));
+      if (!j["phases"].contains(name)) continue;
+      const auto& ph = j["phases"][name];
+      t.timeline.push_back({step, name, ph.value("live_in", int64_t{0}), ph.value("peak", int64_t{0}),
+                            ph.value("live_out", int64_t{0})});
+      if (name == j.value("peak_phase", std::string()) && ph.contains("breakdown")) {
+        const auto& b = ph["breakdown"];
+        t.breakdown = {b.value("weights", int64_t{0}), b.value("gradients", int64_t{0}),
+                       b.value("optimizer", int64_t{0}), b.value("activations", int64_t{0}),
+                       b.value("other", int64_t{0})};
+      }
+    }
+  }
+  return t;
+}
+
+std::string describe_run(const RunConfig& c) {
+  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}", c.batch, c.accum, c.precision,
+                     c.checkpointing, c.attention, c.optimizer);
+}
+
+// The largest micro-batch (at most the configured one) the estimator says fits, keeping the
+// global batch; 0 when none.
+int64_t largest_fitting_micro(const ModelConfig& model, const RunConfig& cfg, int64_t budget) {
+  const int64_t global = cfg.batch * cfg.accum;
+  for (int64_t m = cfg.batch; m >= 1; m = m > 1 ? (m + 1) / 2 : 0) {
+    RunConfig c = cfg;
+    c.batch = m;
+    c.accum = (global + m - 1) / m;
+    if (static_cast<double>(estimate(model, train_spec(c)).peak_bytes) <= 0.95 * static_cast<double>(budget)) return m;
+    if (m == 1) break;
+  }
+  return 0;
+}
+
+}  // namespace
+
+RunConfig doctor_default() {
+  RunConfig c;
+  c.model = "tiny";
+  c.device = "cpu";
+  c.seq = 128;
+  c.batch = 16;
+  c.accum = 1;
+  c.memory_budget = "140MiB";
+  return c;
+}
+
+DoctorReport run_doctor(const RunConfig& given, int64_t budget,
+                        const std::function<void(const std::string&)>& progress) {
+  const auto start = std::chrono::steady_clock::now();
+  auto say = [&](const std::string& s) {
+    if (progress) progress(s);
+  };
+  DoctorReport r;
+  RunConfig cfg = given;
+  cfg.memory_budget = std::to_string(budget);
+  r.config = cfg;
+  r.budget = budget;
+  r.device = resolve_device(cfg.device).str();
+  const ModelConfig model = load_model_config(cfg.model, cfg.overrides);
+  const int64_t global = cfg.batch * cfg.accum;
+
+  // (1) What happened.
+  say(fmt::format("1/5 running the configuration as given: {}, 3 steps under {}", describe_run(cfg),
+                  format_bytes(budget)));
+  const TrialRun base = run_trial(cfg, 3);
+  r.oom = !base.fits;
+  r.measured_peak = base.peak;
+  r.measured = base.breakdown;
+  if (r.oom) {
+    r.oom_phase = std::string(phase_name(base.oom.phase));
+    r.oom_step = base.oom.step;
+    r.oom_text = base.oom.to_text();
+    r.measured = base.oom.breakdown;
+  }
+  r.estimate = estimate(model, train_spec(cfg));
+  // On cpu the whole step can be measured on the machine's own memory: every peak below is a real
+  // one, compared with the budget, not a failure's lower bound. (On cuda the card is the limit.)
+  const bool free_trials = !resolve_device(cfg.device).is_cuda();
+  double reference_seconds = 0;
+  if (free_trials) {
+    say("1/5 measuring the whole step as given, on the machine's memory");
+    const TrialRun whole = run_trial(cfg, 1, false);
+    if (whole.fits) {
+      r.measured_peak = whole.peak;
+      r.measured = whole.breakdown;
+      r.measured_whole_step = true;
+      reference_seconds = whole.first_step_seconds;
+      r.reference = "the configuration as given";
+    }
+  }
+
+  // (2) Leaks, at a micro-batch that fits; its step time is the levers' reference.
+  RunConfig reference = cfg;
+  if (r.oom) {
+    const int64_t m = std::max<int64_t>(1, largest_fitting_micro(model, cfg, budget));
+    reference.batch = m;
+    reference.accum = (global + m - 1) / m;
+  }
+  r.leak_run = fmt::format("{}, 12 steps", describe_run(reference));
+  say("2/5 leak check: " + r.leak_run);
+  const TrialRun leak_trial = run_trial(reference, 12);
+  if (leak_trial.fits) {
+    r.leak = judge_growth(leak_trial.summary.live_series);
+    if (r.leak.detected) r.leak.sites = leak_trial.summary.surviving;
+    if (reference_seconds == 0) {
+      reference_seconds = leak_trial.first_step_seconds;
+      r.reference = describe_run(reference);
+    }
+  } else {
+    r.leak.reason = "not judged: the leak check's run did not fit either";
+  }
+  if (resolve_device(cfg.device).is_cuda()) {
+    const CudaMemoryStats st = cuda_memory_stats(resolve_device(cfg.device).index());
+    r.fragmentation = fmt::format(
+        "reserved {} vs allocated {}: {} cached but unused ({} of it split inside live "
+        "segments)",
+        format_bytes(st.reserved_bytes), format_bytes(st.allocated_bytes),
+        format_bytes(st.reserved_bytes - st.allocated_bytes), format_bytes(st.inactive_split_bytes));
+  } else {
+    r.fragmentation =
+        "does not apply on cpu: the budget allocator hands memory straight back, there is no cache to "
+        "fragment (on cuda this compares reserved with allocated)";
+  }
+
+  // (3-8) Each applicable lever, tried for real from the configuration as given.
+  struct Change {
+    std::string lever, setting;
+    std::function<void(RunConfig&)> apply;
+    std::string note;
+  };
+  std::vector<Change> changes;
+  for (int64_t div : {2, 4}) {
+    if (cfg.batch / div >= 1 && cfg.batch % div == 0) {
+      const int64_t m = cfg.batch / div;
+      changes.push_back({"accumulation", fmt::format("micro-batch {} x accum {}", m, cfg.accum * div),
+                         [m, div](RunConfig& c) {
+                           c.batch = m;
+                           c.accum *= div;
+                         },
+                         "same global batch, same update"});
+    }
+  }
+  for (const char* p : {"bf16-mixed", "fp16-mixed", "bf16"}) {
+    if (cfg.precision == p) continue;
+    changes.push_back({"precision", p, [p](RunConfig& c) { c.precision = p; },
+                       std::string(p) == "bf16" ? "weights, gradients and state in bf16 too" : "autocast"});
+  }
+  for (const char* k : {"selective", "every:2", "full"}) {
+    if (cfg.checkpointing == k) continue;
+    changes.push_back({"checkpointing", k, [k](RunConfig& c) { c.checkpointing = k; }, "recompute in backward"});
+  }
+  const char* other_attention = cfg.attention == "flash" ? "math" : "flash";
+  changes.push_back({"attention", other_attention, [other_attention](RunConfig& c) { c.attention = other_attention; },
+                     cfg.attention == "flash" ? "the explicit path keeps the seq x seq scores" : "fused SDPA"});
+  for (const char* o : {"adafactor", "sgd", "adam", "adamw"}) {
+    if (cfg.optimizer == o) continue;
+    std::string note = "changes the training dynamics";
+    if ((std::string(o) == "adam" && cfg.optimizer == "adamw") ||
+        (std::string(o) == "adamw" && cfg.optimizer == "adam")) {
+      note = "the same state as " + cfg.optimizer + " (two moments per parameter): only the update differs";
+    } else if ((std::string(o) == "adam" || std::string(o) == "adamw") && cfg.optimizer != "adam" &&
+               cfg.optimizer != "adamw") {
+      continue;
+    }
+    changes.push_back({"optimizer", o, [o](RunConfig& c) { c.optimizer = o; }, note});
+  }
+  int index = 0;
+  std::map<Precision, double> precision_ratio;  // step time against the configuration's precision
+  for (const Change& ch : changes) {
+    say(fmt::format("3/5 lever {}/{}: {} {}", ++index, changes.size(), ch.lever, ch.setting));
+    RunConfig c = cfg;
+    ch.apply(c);
+    const TrialRun t = run_trial(c, 1, !free_trials);
+    LeverTrial lt;
+    lt.lever = ch.lever;
+    lt.setting = ch.setting;
+    lt.fits = t.fits && t.peak <= budget;
+    lt.peak_bytes = t.peak;
+    lt.saving_bytes = r.measured_peak - t.peak;
+    lt.step_time_ratio = t.fits && reference_seconds > 0 ? t.first_step_seconds / reference_seconds : 0;
+    lt.note = ch.note + (t.fits ? "" : "; out of memory (peak: in use at the failure plus the request)");
+    if (r.measured_whole_step && ch.lever == "precision" && t.fits && lt.step_time_ratio > 0)
+      precision_ratio[parse_precision(ch.setting)] = lt.step_time_ratio;
+    r.levers.push_back(lt);
+  }
+  const bool cuda = resolve_device(cfg.device).is_cuda();
+  r.levers.push_back({"empty-cache", "torch.cuda.empty_cache()", false, false, 0, 0, 0,
+                      cuda ? "applied by the OOM guard only after it shrinks the micro-batch and the reservation is "
+                             "idle (memory/cache_policy.h); not measured separately"
+                           : "does not apply on cpu: there is no cache to empty"});
+  r.levers.push_back({"static graph", "CUDA graphs", false, false, 0, 0, 0,
+                      cuda ? "not measured: headroom does not capture CUDA graphs yet"
+                           : "does not apply on cpu: CUDA graphs capture GPU kernel launches"});
+
+  // The recommendation, and its proof.
+  say("4/5 planning: the estimator's candidates under the budget, ranked by a calibrated cost model");
+  PlanRequest pr;
+  pr.base = cfg;
+  pr.global_batch = global;
+  pr.budget = budget;
+  PlanResult plans = fitting_plans(pr);
+  if (!plans.plans.empty()) {
+    // The step-time model: calibrated in the configuration's precision; other precisions scaled by
+    // what their lever trials measured (or timed now, when a trial did not run to the end).
+    RunConfig timing = cfg;
+    timing.memory_budget.clear();
+    const Precision own = parse_precision(cfg.precision);
+    std::vector<Precision> untimed = {own};
+    for (Precision p : precisions_of(plans)) {
+      if (p != own && precision_ratio.count(p) == 0) untimed.push_back(p);
+    }
+    CostModel cost = CostModel::calibrate(timing, untimed, std::min<int64_t>(4, global));
+    rank_plans(plans, pr, CostModel::with_ratios(cost, own, precision_ratio));
+    r.plan_found = true;
+    r.plan = plans.plans.front();
+    say(fmt::format("5/5 training the recommended plan for 3 steps under {}", format_bytes(budget)));
+    const TrialRun v = run_trial(with_plan(cfg, r.plan), 3);
+    r.plan_verified = v.fits;
+    r.verified_peak_bytes = v.peak;
+    r.timeline = v.timeline;
+    r.plan_note = fmt::format("best of {} plans that fit ({} considered)", plans.plans.size(), plans.considered);
+  } else {
+    r.plan_note = fmt::format("no plan fits: the smallest predicted peak is {} ({})", format_bytes(plans.smallest_peak),
+                              plans.smallest_peak_plan);
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+nlohmann::json DoctorReport::to_json() const {
+  nlohmann::json levers_json = nlohmann::json::array();
+  for (const LeverTrial& l : levers) {
+    levers_json.push_back(
+        {{"lever", l.lever},
+         {"setting", l.setting},
+         {"applies", l.applies},
+         {"peak_bytes", l.applies ? nlohmann::json(l.peak_bytes) : nlohmann::json()},
+         {"saving_bytes", l.applies ? nlohmann::json(l.saving_bytes) : nlohmann::json()},
+         {"step_time_ratio", l.applies && l.fits ? nlohmann::json(l.step_time_ratio) : nlohmann::json()},
+         {"fits", l.fits},
+         {"note", l.note}});
+  }
+  nlohmann::json plan_json;
+  if (plan_found) {
+    plan_json = plan.to_json();
+    plan_json["verified_peak_bytes"] = verified_peak_bytes;
+    plan_json["verified"] = plan_verified;
+  }
+  return {{"model", {{"name", estimate.model}, {"params", estimate.params}}},
+          {"device", device},
+          {"budget_bytes", budget},
+          {"oom",
+           {{"happened", oom},
+            {"phase", oom ? nlohmann::json(oom_phase) : nlohmann::json()},
+            {"step", oom ? nlohmann::json(oom_step) : nlohmann::json()}}},
+          {"measured", measured.to_json()},
+          {"measured_peak_bytes", measured_peak},
+          {"estimate", estimate.to_json()["breakdown"]},
+          {"estimated_peak_bytes", estimate.peak_bytes},
+          {"leak", leak.to_json()},
+          {"fragmentation", fragmentation},
+          {"levers", levers_json},
+          {"plan", plan_json},
+          {"seconds", seconds}};
+}
+
+std::string DoctorReport::to_text() const {
+  std::string out;
+  out += fmt::format("headroom doctor: {} ({:.2f}M params) on {}, budget {}\n  as given: {}, seq {}\n\n",
+                     estimate.model, static_cast<double>(estimate.params) / 1e6, device, format_bytes(budget),
+                     describe_run(config), config.seq);
+  out += "1. What happened\n";
+  if (oom) {
+    out += fmt::format("   OUT OF MEMORY in {} of step {}:\n", oom_phase, oom_step);
+    std::string text = oom_text;
+    size_t pos = 0;
+    for (int i = 0; i < 3 && pos < text.size(); ++i) {
+      const size_t nl = text.find('\n', pos);
+      out += "     " + text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos) + "\n";
+      if (nl == std::string::npos) break;
+      pos = nl + 1;
+    }
+  } else {
+    out += fmt::format("   it fits: peak {} of {}\n", format_bytes(measured_peak), format_bytes(budget));
+  }
+  const int64_t est_act = estimate.category(sim::Category::activations) + estimate.category(sim::Category::logits) +
+                          estimate.category(sim::Category::loss) + estimate.category(sim::Category::temporaries) +
+                          estimate.category(sim::Category::weight_copies) + estimate.category(sim::Category::allocator);
+  const bool partial = oom && !measured_whole_step;
+  out +=
+      fmt::format("   {:<34} {:>11} {:>11}\n",
+                  partial ? "at the failure / whole step" : "whole step, without the budget:", "measured", "estimated");
+  auto row = [&](const char* name, int64_t m, int64_t e) {
+    out += fmt::format("   {:<34} {:>11} {:>11}\n", name, format_bytes(m), format_bytes(e));
+  };
+  row("weights", measured.weights, estimate.category(sim::Category::weights));
+  row("gradients", measured.gradients, estimate.category(sim::Category::gradients));
+  row("optimizer state", measured.optimizer, estimate.category(sim::Category::optimizer));
+  row("activations, logits, loss, temps", measured.activations, est_act);
+  row("other (data)", measured.other, estimate.category(sim::Category::other));
+  row(partial ? "total" : "peak", measured_peak, estimate.peak_bytes);
+  out += fmt::format("   the estimate's peak is in {}\n\n", phase_name(estimate.peak_phase));
+
+  out += "2. Leaks and fragmentation\n";
+  out += fmt::format("   leak: {} ({})\n", leak.detected ? "DETECTED" : "none", leak_run);
+  out += "     " + leak.reason + "\n";
+  for (const LeakSite& s : leak.sites) out += "     - " + s.description + "\n";
+  out += "   fragmentation: " + fragmentation + "\n\n";
+
+  out +=
+      fmt::format("3. Levers, each tried for real (step time relative to {})\n", reference.empty() ? "-" : reference);
+  out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5}  {}\n", "lever", "setting", "peak", "saving", "time",
+                     "fits", "note");
+  for (const LeverTrial& l : levers) {
+    if (!l.applies) {
+      out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5}  {}\n", l.lever, l.setting, "-", "-", "-", "-",
+                         l.note);
+      continue;
+    }
+    out += fmt::format(
+        "   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5}  {}\n", l.lever, l.setting, format_bytes(l.peak_bytes),
+        (l.saving_bytes < 0 ? "-" : "") + format_bytes(std::abs(l.saving_bytes)),
+        l.step_time_ratio > 0 ? fmt::format("{:.2f}x", l.step_time_ratio) : "-", l.fits ? "yes" : "NO", l.note);
+  }
+  out += "\n4. Recommended plan\n";
+  if (plan_found) {
+    out += fmt::format("   micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {} ({})\n", plan.batch,
+                       plan.accum, plan.precision, plan.checkpointing, plan.attention, plan.optimizer, plan_note);
+    out += fmt::format("   predicted peak {}; trained for 3 steps: peak {} of {} — {}\n",
+                       format_bytes(plan.predicted_peak_bytes), format_bytes(verified_peak_bytes), format_bytes(budget),
+                       plan_verified ? "fits" : "DID NOT FIT");
+    out += fmt::format(
+        "   run it: headroom train --model {} --seq {} --batch {} --accum {} --precision {} "
+        "--checkpointing {} --attention {} --optimizer {} --memory-budget {}\n",
+        config.model, config.seq, plan.batch, plan.accum, plan.precision, plan.checkpointing, plan.attention,
+        plan.optimizer, budget);
+  } else {
+    out += "   " + plan_note + "\n";
+  }
+  out += fmt::format("\n(diagnosed in {:.0f} s)\n", seconds);
+  return out;
+}
+
+}  // namespace headroom

@@ -1,0 +1,89 @@
+// Doctor — the systematic diagnosis (PRODUCT.md, the main job): run the configuration, see what
+// happens, and come back with measured answers for each lever and a plan that fits.
+//
+// In lever order: (1) what happened — the run as configured, under its budget, with the guard off:
+// did it run out of memory, in which phase, step and allocation; the breakdown measured next to the
+// estimate. (2) leaks — a dozen steps at a micro-batch that fits, judged by the leak detector, with
+// the surviving allocations' sites. Fragmentation — on cuda, reserved against allocated. (3-6, 8)
+// each applicable lever tried for real in a short run: accumulation, precision, checkpointing,
+// attention, optimizer state (adam and adamw hold the same), empty-cache; its peak, saving, step
+// time and whether it fits. (7) static graphs — on cpu, said plainly not to apply. Then the planner's
+// recommendation, trained for a few steps to prove it fits.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "estimate/estimator.h"
+#include "memory/leak_detector.h"
+#include "memory/memory_monitor.h"
+#include "plan/planner.h"
+#include "train/run_config.h"
+
+namespace headroom {
+
+struct LeverTrial {
+  std::string lever;    // "accumulation", "precision", ...
+  std::string setting;  // "micro-batch 8 x accum 2", "bf16-mixed", ...
+  bool applies = true;  // false: the note says why not
+  bool fits = false;
+  int64_t peak_bytes = 0;      // measured (a failed trial: what was in use plus the request)
+  int64_t saving_bytes = 0;    // against the configuration as given
+  double step_time_ratio = 0;  // first step's time against the reference's; 0 when not measured
+  std::string note;
+};
+
+// One point of the memory-over-time chart: live bytes entering a phase, its peak, leaving it.
+struct PhasePoint {
+  int64_t step = 0;
+  std::string phase;
+  int64_t live_in = 0, peak = 0, live_out = 0;
+};
+
+struct DoctorReport {
+  RunConfig config;
+  int64_t budget = 0;
+  std::string device;
+  // (1) what happened
+  bool oom = false;
+  std::string oom_phase;
+  int64_t oom_step = 0;
+  std::string oom_text;       // the report's first lines
+  int64_t measured_peak = 0;  // of the run as given: the whole step, or (failed, on cuda) at the failure
+  bool measured_whole_step = false;
+  Breakdown measured;  // at that peak
+  Estimate estimate;   // of the run as given
+  // (2)
+  LeakVerdict leak;
+  std::string leak_run;  // what the leak check ran
+  std::string fragmentation;
+  // (3-8)
+  std::string reference;  // what step times are relative to
+  std::vector<LeverTrial> levers;
+  // the recommendation
+  bool plan_found = false;
+  Plan plan;
+  bool plan_verified = false;
+  int64_t verified_peak_bytes = 0;
+  std::string plan_note;
+  std::vector<PhasePoint> timeline;  // of the verification run
+  double seconds = 0;
+
+  // PRODUCT.md's contract: {"oom": {"happened", "phase", "step"}, "measured": {...}, "estimate":
+  // {...}, "leak": {"detected", "bytes_per_step", "sites"}, "levers": [...], "plan": {...}}.
+  nlohmann::json to_json() const;
+  std::string to_text() const;
+};
+
+// Runs the diagnosis; `progress` receives a line per stage (may be null).
+DoctorReport run_doctor(const RunConfig& config, int64_t budget,
+                        const std::function<void(const std::string&)>& progress);
+
+// The embedded default: a small model on the bundled corpus, on cpu, with a budget too small for
+// its naive setting.
+RunConfig doctor_default();
+
+}  // namespace headroom

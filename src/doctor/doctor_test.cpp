@@ -1,0 +1,102 @@
+// The default doctor run end to end: it finds the OOM, measures what the estimator predicted, tries
+// the levers, and its recommended plan trains under the budget; its report renders in Chromium.
+#include "doctor/doctor.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "doctor/report_html.h"
+#include "testing/temp_dir.h"
+
+namespace headroom {
+namespace {
+
+std::string run_command(const std::string& command) {
+  std::string out;
+  std::FILE* p = ::popen(command.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  ::pclose(p);
+  return out;
+}
+
+TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
+  const RunConfig cfg = doctor_default();
+  const int64_t budget = *cfg.budget_bytes();
+  const DoctorReport r = run_doctor(cfg, budget, nullptr);
+
+  EXPECT_TRUE(r.oom) << "the default's naive setting must not fit";
+  EXPECT_FALSE(r.oom_phase.empty());
+  EXPECT_EQ(r.oom_step, 1);
+  // The whole step, measured without the budget, against the estimate.
+  ASSERT_TRUE(r.measured_whole_step);
+  EXPECT_GT(r.measured_peak, budget);
+  EXPECT_NEAR(static_cast<double>(r.estimate.peak_bytes), static_cast<double>(r.measured_peak),
+              0.03 * static_cast<double>(r.measured_peak));
+  EXPECT_FALSE(r.leak.detected) << r.leak.reason;
+
+  bool saw[5] = {};
+  for (const LeverTrial& l : r.levers) {
+    if (l.lever == "accumulation") saw[0] = true;
+    if (l.lever == "precision") saw[1] = true;
+    if (l.lever == "checkpointing") saw[2] = true;
+    if (l.lever == "attention") saw[3] = true;
+    if (l.lever == "optimizer") saw[4] = true;
+    if (l.lever == "optimizer" && l.setting == "adam") {
+      EXPECT_EQ(l.peak_bytes, r.measured_peak) << "adam and adamw hold the same state";
+    }
+    if (l.lever == "checkpointing" && l.setting == "full") {
+      EXPECT_TRUE(l.fits);
+      EXPECT_GT(l.saving_bytes, 0);
+    }
+    if (l.lever == "empty-cache" || l.lever == "static graph") EXPECT_FALSE(l.applies) << l.lever;
+    if (l.applies) EXPECT_EQ(l.fits, l.peak_bytes <= budget) << l.lever << " " << l.setting;
+  }
+  for (bool s : saw) EXPECT_TRUE(s);
+
+  ASSERT_TRUE(r.plan_found) << r.plan_note;
+  EXPECT_TRUE(r.plan_verified);
+  EXPECT_LE(r.verified_peak_bytes, budget);
+  EXPECT_EQ(r.plan.batch * r.plan.accum, cfg.batch * cfg.accum);
+
+  const nlohmann::json j = r.to_json();
+  EXPECT_TRUE(j["oom"]["happened"].get<bool>());
+  for (const char* key : {"measured", "estimate", "leak", "levers", "plan"}) EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_TRUE(j["plan"].contains("verified_peak_bytes"));
+  for (const auto& l : j["levers"]) {
+    for (const char* key : {"lever", "setting", "peak_bytes", "saving_bytes", "step_time_ratio", "fits"}) {
+      EXPECT_TRUE(l.contains(key)) << key;
+    }
+  }
+
+  // The report renders in a real browser, with its charts.
+  testing::TempDir dir;
+  const std::string page = dir.file("report.html"), png = dir.file("report.png");
+  {
+    std::ofstream f(page);
+    f << report_html(r);
+  }
+  const std::string chromium = "chromium --headless --no-sandbox --disable-gpu --window-size=1000,2400 ";
+  ASSERT_EQ(std::system(("command -v chromium > /dev/null")), 0) << "Chromium is needed (scripts/setup installs it)";
+  const std::string dom = run_command(chromium + "--dump-dom file://" + page + " 2>/dev/null");
+  for (const char* id :
+       {"id=\"timeline\"", "id=\"breakdown\"", "id=\"levers\"", "id=\"lever-table\"", "Out of memory"}) {
+    EXPECT_NE(dom.find(id), std::string::npos) << id;
+  }
+  run_command(chromium + "--screenshot=" + png + " file://" + page + " 2>/dev/null");
+  std::ifstream shot(png, std::ios::binary);
+  std::stringstream bytes;
+  bytes << shot.rdbuf();
+  const std::string data = bytes.str();
+  ASSERT_GT(data.size(), 20'000u) << "a screenshot of the rendered page";
+  EXPECT_EQ(data.substr(1, 3), "PNG");
+}
+
+}  // namespace
+}  // namespace headroom
