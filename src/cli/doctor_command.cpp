@@ -18,28 +18,18 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
       "doctor",
       "Diagnose a configuration: run it under its budget, explain what happened (OOM, breakdown measured vs\n"
       "estimated, leaks, fragmentation), try each lever for real, and recommend a plan proven to fit.\n"
-      "With no flags: an embedded default (tiny on the bundled corpus, cpu, batch 16 x seq 128 in 140 MiB,\n"
-      "which does not fit), about a minute on two cores.");
+      "Flags override an embedded default (tiny on the bundled corpus, cpu, batch 16 x seq 128 in 140 MiB,\n"
+      "which does not fit); with none it runs that, in about a minute on two cores.");
   auto config =
-      bind_run_flags(cmd, {"model", "set", "data", "batch", "accum", "seq", "seed", "device", "attention", "precision",
-                           "checkpointing", "optimizer", "memory-budget", "inject-leak", "json", "quiet"});
+      bind_run_flags(cmd,
+                     {"model", "set", "data", "batch", "accum", "seq", "seed", "device", "attention", "precision",
+                      "checkpointing", "optimizer", "memory-budget", "inject-leak", "json", "quiet"},
+                     doctor_default());
   auto report = std::make_shared<std::string>();
   cmd->add_option("--report", *report, "also write a self-contained HTML report (charts as inline SVG) to FILE");
-  cmd->callback([cmd, config, report, &run] {
-    run = [cmd, config, report]() -> int {
-      // No run flags at all: the embedded default.
-      bool any = false;
-      for (const CLI::Option* o : cmd->get_options()) {
-        if (o->count() > 0 && o->get_name() != "--json" && o->get_name() != "--quiet" && o->get_name() != "--report") {
-          any = true;
-        }
-      }
-      RunConfig cfg = any ? config() : doctor_default();
-      if (!any) {
-        const RunConfig flags = config();
-        cfg.json = flags.json;
-        cfg.quiet = flags.quiet;
-      }
+  cmd->callback([config, report, &run] {
+    run = [config, report]() -> int {
+      const RunConfig cfg = config();
       validate(cfg);
       const int64_t budget = device_budget(cfg, "doctor");
       std::FILE* report_file = nullptr;

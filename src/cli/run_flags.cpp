@@ -11,7 +11,7 @@
 
 namespace headroom {
 
-std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only) {
+std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only, const RunConfig& base) {
   auto bound = [&only](const std::string& key) {
     return only.empty() || std::find(only.begin(), only.end(), key) != only.end();
   };
@@ -40,8 +40,8 @@ std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::
                                                                                 : "NUMBER");
     }
   }
-  return [v]() {
-    RunConfig cfg;
+  return [v, base]() {
+    RunConfig cfg = base;
     if (!v->config_file.empty()) apply_toml_file(cfg, v->config_file);
     for (const RunField& f : run_fields()) {
       if (!v->options.count(f.key) || v->options.at(f.key)->count() == 0) continue;

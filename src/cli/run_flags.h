@@ -3,11 +3,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
-
 #include <cstdint>
 #include <functional>
-#include <string>
 #include <memory>
+#include <string>
 
 #include "train/run_config.h"
 
@@ -15,8 +14,9 @@ namespace headroom {
 
 // Adds the flags to `cmd` — all of them, or only the keys in `only` when it is not empty (a command
 // lists just the flags it uses, so that its --help tells the truth). After parsing, the returned
-// function builds the RunConfig: defaults, then the --config file, then the flags given.
-std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only = {});
+// function builds the RunConfig: `base` (the defaults), then the --config file, then the flags given.
+std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::string>& only = {},
+                                          const RunConfig& base = {});
 
 // The memory a search or plan must fit into: --memory-budget, or on cuda the device's free memory;
 // on cpu without a budget, an error naming `command`.

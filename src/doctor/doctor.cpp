@@ -51,6 +51,7 @@ struct TrialRun {
   Breakdown breakdown;  // at the last step's peak (fitted runs)
   TrainSummary summary;
   std::vector<PhasePoint> timeline;
+  std::vector<StepLive> live_series;
 };
 
 // `capped`: under the budget (an OOM ends it early, its figures a lower bound); otherwise on the
@@ -88,6 +89,9 @@ TrialRun run_trial(RunConfig c, int64_t steps, bool capped = true) {
   while (std::getline(in, line)) {
     const auto j = nlohmann::json::parse(line);
     const int64_t step = j.at("step").get<int64_t>();
+    // The live bytes after each step, from the metrics: there even when a later step ran out.
+    const int64_t step_in = j["phases"].contains("data") ? j["phases"]["data"].value("live_in", int64_t{0}) : 0;
+    t.live_series.push_back({step, j.value("live_bytes", int64_t{0}), j.value("peak_bytes", int64_t{0}) - step_in});
     for (Phase p : kStepPhases) {
       const std::string name(phase_name(p));
       if (!j["phases"].contains(name)) continue;
@@ -191,16 +195,18 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
   }
   r.leak_run = fmt::format("{}, 12 steps", describe_run(reference));
   say("2/5 leak check: " + r.leak_run);
-  const TrialRun leak_trial = run_trial(reference, 12);
+  const TrialRun leak_trial = run_trial(reference, 12, !free_trials);
+  r.leak = judge_growth(leak_trial.live_series);
+  if (!leak_trial.fits) {
+    r.leak.reason += fmt::format("; the run ran out of memory in step {} of 12{}", leak_trial.oom.step,
+                                 r.leak.detected ? ", as the growth predicts" : "");
+  }
   if (leak_trial.fits) {
-    r.leak = judge_growth(leak_trial.summary.live_series);
     if (r.leak.detected) r.leak.sites = leak_trial.summary.surviving;
     if (reference_seconds == 0) {
       reference_seconds = leak_trial.first_step_seconds;
       r.reference = describe_run(reference);
     }
-  } else {
-    r.leak.reason = "not judged: the leak check's run did not fit either";
   }
   if (resolve_device(cfg.device).is_cuda()) {
     const CudaMemoryStats st = cuda_memory_stats(resolve_device(cfg.device).index());
