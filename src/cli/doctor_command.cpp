@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "cli/run_flags.h"
+#include "device/device.h"
 #include "doctor/doctor.h"
 #include "doctor/report_html.h"
 #include "util/error.h"
@@ -29,8 +30,9 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
   cmd->add_option("--report", *report, "also write a self-contained HTML report (charts as inline SVG) to FILE");
   cmd->callback([config, report, &run] {
     run = [config, report]() -> int {
-      const RunConfig cfg = config();
+      RunConfig cfg = config();
       validate(cfg);
+      if (!report->empty() && resolve_device(cfg.device).is_cuda()) cfg.memory_snapshot = *report + ".snapshot.pickle";
       const int64_t budget = device_budget(cfg, "doctor");
       std::FILE* report_file = nullptr;
       if (!report->empty()) {
@@ -46,6 +48,10 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
         const bool ok = std::fwrite(html.data(), 1, html.size(), report_file) == html.size();
         if (std::fclose(report_file) != 0 || !ok) fail("--report: writing '{}' failed", *report);
         if (!cfg.quiet) fmt::print(stderr, "doctor: report written to {}\n", *report);
+        if (!cfg.quiet && !r.snapshot.empty()) {
+          fmt::print(stderr, "doctor: PyTorch memory snapshot written to {} (open in pytorch.org/memory_viz)\n",
+                     r.snapshot);
+        }
       }
       if (cfg.json) {
         fmt::print("{}\n", dump_json(r.to_json()));

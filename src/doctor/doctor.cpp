@@ -56,7 +56,7 @@ struct TrialRun {
 
 // `capped`: under the budget (an OOM ends it early, its figures a lower bound); otherwise on the
 // machine's own memory (cpu), so that the peak is the whole step's.
-TrialRun run_trial(RunConfig c, int64_t steps, bool capped = true) {
+TrialRun run_trial(RunConfig c, int64_t steps, bool capped = true, const std::string& snapshot = "") {
   if (!capped) c.memory_budget.clear();
   c.steps = steps;
   c.no_guard = true;
@@ -67,7 +67,7 @@ TrialRun run_trial(RunConfig c, int64_t steps, bool capped = true) {
   c.resume.clear();
   c.stop_at = 0;
   c.plan.clear();
-  c.memory_snapshot.clear();
+  c.memory_snapshot = snapshot;
   ScratchFile metrics("metrics.jsonl");
   c.metrics = metrics.path();
   TrialRun t;
@@ -313,7 +313,9 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
     r.plan_found = true;
     r.plan = plans.plans.front();
     say(fmt::format("5/5 training the recommended plan for 3 steps under {}", format_bytes(budget)));
-    const TrialRun v = run_trial(with_plan(cfg, r.plan), 3);
+    // On cuda, PyTorch's memory snapshot of these steps goes next to the report.
+    const TrialRun v = run_trial(with_plan(cfg, r.plan), 3, true, given.memory_snapshot);
+    if (!given.memory_snapshot.empty() && v.fits) r.snapshot = given.memory_snapshot;
     r.plan_verified = v.fits;
     r.verified_peak_bytes = v.peak;
     r.timeline = v.timeline;

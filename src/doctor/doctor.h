@@ -70,6 +70,7 @@ struct DoctorReport {
   int64_t verified_peak_bytes = 0;
   std::string plan_note;
   std::vector<PhasePoint> timeline;  // of the verification run
+  std::string snapshot;              // cuda: PyTorch's memory snapshot of the verification run
   double seconds = 0;
 
   // PRODUCT.md's contract: {"oom": {"happened", "phase", "step"}, "measured": {...}, "estimate":
@@ -78,7 +79,8 @@ struct DoctorReport {
   std::string to_text() const;
 };
 
-// Runs the diagnosis; `progress` receives a line per stage (may be null).
+// Runs the diagnosis; `progress` receives a line per stage (may be null). On cuda, a
+// config.memory_snapshot path receives PyTorch's memory snapshot of the recommended plan's steps.
 DoctorReport run_doctor(const RunConfig& config, int64_t budget,
                         const std::function<void(const std::string&)>& progress);
 

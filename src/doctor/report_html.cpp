@@ -212,6 +212,10 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
         escape(format_bytes(r.verified_peak_bytes)), escape(format_bytes(r.budget)), r.plan_verified ? "good" : "bad",
         r.plan_verified ? "fits" : "did not fit", escape(r.plan_note));
     html += "<p>Memory through each phase of those steps:</p>\n" + timeline_svg(r) + "\n";
+    if (!r.snapshot.empty()) {
+      html += "<p>PyTorch's memory snapshot of these steps: <code>" + escape(r.snapshot) +
+              "</code> (open it in pytorch.org/memory_viz).</p>\n";
+    }
   } else {
     html += "<p id=\"plan\" class=\"bad\">" + escape(r.plan_note) + "</p>\n";
   }
