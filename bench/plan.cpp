@@ -13,6 +13,7 @@
 
 #include "memory/oom_report.h"
 #include "plan/planner.h"
+#include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/size.h"
 
@@ -45,8 +46,8 @@ int main(int argc, char** argv) {
   base.seq = 128;
   base.device = "cpu";
   const int64_t global = 32;
-  fmt::print("tiny, seq {}, global batch {} sequences per step, {} steps each (median after the first)\n\n",
-             base.seq, global, steps);
+  fmt::print("tiny, seq {}, global batch {} sequences per step, {} steps each (median after the first)\n\n", base.seq,
+             global, steps);
   fmt::print("{:>9} | {:>18} {:>9} | {:<44} {:>9} | {:>7}\n", "budget", "naive (halving)", "tok/s", "plan", "tok/s",
              "speedup");
   for (const char* budget : {"160MiB", "110MiB", "80MiB", "64MiB", "56MiB"}) {
@@ -71,7 +72,10 @@ int main(int argc, char** argv) {
     std::string plan_text = "nothing fits";
     double planned = -1;
     if (!plans.plans.empty()) {
-      rank_plans(plans, r, CostModel::calibrate(cfg, precisions_of(plans), 4));
+      rank_plans(plans, r,
+                 CostModel::calibrate(cfg, precisions_of(plans), 4, [&](Precision p, int64_t rows, int timed) {
+                   return time_train_step(cfg, p, rows, timed);
+                 }));
       const Plan& p = plans.plans.front();
       plan_text = fmt::format("{}x{} {} {} {}", p.batch, p.accum, p.precision, p.checkpointing, p.attention);
       planned = seconds_per_step(with_plan(cfg, p), steps);

@@ -8,6 +8,7 @@
 
 #include "cli/run_flags.h"
 #include "plan/planner.h"
+#include "train/step_timing.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/size.h"
@@ -34,7 +35,9 @@ PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& r
       fmt::print(stderr, "calibrating step time on this machine ({} precision{}, 2 micro-batch sizes)...\n",
                  precisions.size(), precisions.size() == 1 ? "" : "s");
     }
-    cost = CostModel::calibrate(cfg, precisions, std::min<int64_t>(4, o.global_batch));
+    cost = CostModel::calibrate(
+        cfg, precisions, std::min<int64_t>(4, o.global_batch),
+        [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); });
   }
   rank_plans(result, request, cost);
   return result;

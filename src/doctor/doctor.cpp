@@ -13,6 +13,7 @@
 #include "device/cuda_adapter.h"
 #include "device/device.h"
 #include "memory/oom_report.h"
+#include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/error.h"
 #include "util/files.h"
@@ -308,7 +309,9 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
     for (Precision p : precisions_of(plans)) {
       if (p != own && precision_ratio.count(p) == 0) untimed.push_back(p);
     }
-    CostModel cost = CostModel::calibrate(timing, untimed, std::min<int64_t>(4, global));
+    CostModel cost = CostModel::calibrate(
+        timing, untimed, std::min<int64_t>(4, global),
+        [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); });
     rank_plans(plans, pr, CostModel::with_ratios(cost, own, precision_ratio));
     r.plan_found = true;
     r.plan = plans.plans.front();

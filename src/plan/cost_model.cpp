@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "config/model_config.h"
-#include "train/trainer.h"
 
 namespace headroom {
 namespace {
@@ -64,36 +63,11 @@ CostModel CostModel::with_ratios(const CostModel& anchor, Precision measured,
 }
 
 CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
-                               int timed) {
+                               const StepTimer& time_step, int timed) {
   CostModel m;
   if (precisions.empty()) return m;
   const ModelConfig model = load_model_config(base.model, base.overrides);
   larger = std::max<int64_t>(2, larger);
-  // Median seconds of a step at `rows` in precision `p` (after one warm-up step).
-  auto time_step = [&](Precision p, int64_t rows, int steps_timed) {
-    RunConfig cfg = base;
-    cfg.batch = rows;
-    cfg.accum = 1;
-    cfg.precision = precision_name(p);
-    cfg.checkpointing = "none";
-    cfg.attention = "flash";
-    cfg.steps = 1 + steps_timed;
-    cfg.eval_rows = 0;
-    cfg.quiet = true;
-    cfg.json = false;
-    cfg.memory_budget.clear();  // timing only; memory is the estimator's business
-    cfg.metrics.clear();
-    cfg.checkpoint.clear();
-    cfg.resume.clear();
-    cfg.stop_at = 0;
-    cfg.inject_oom.clear();
-    cfg.memory_snapshot.clear();
-    cfg.plan.clear();
-    const TrainSummary s = train(cfg);
-    std::vector<double> times(s.step_seconds.begin() + 1, s.step_seconds.end());
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  };
   // The run's own precision (or the first) gets the full two-point fit; the others are timed at the
   // larger batch only and keep its split between fixed and per-FLOP cost, scaled.
   Precision anchor = precisions.front();

@@ -6,10 +6,12 @@
 // (another forward of each checkpointed block). Time is a + b · FLOPs per micro-batch: `a`, the
 // fixed cost of a micro-batch (dispatch, the loss, small-kernel inefficiency), and `b`, seconds per
 // FLOP, differ by precision and device and are calibrated on this machine by timing real training
-// steps of the model at two micro-batch sizes. A plan of k micro-batches costs k·a + b·ΣFLOPs.
+// steps of the model at two micro-batch sizes (the timer is passed in: the planner sits before the
+// trainer in the data flow). A plan of k micro-batches costs k·a + b·ΣFLOPs.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -33,11 +35,14 @@ struct StepTimeFit {
 
 class CostModel {
  public:
-  // Times real steps of `base` (its model, seq and device; 1 warm-up step, then the median of
-  // `timed` steps): in base's precision (or the first asked for) at micro-batches 1 and `larger`,
-  // which splits fixed from per-FLOP cost; each other precision at `larger` only, scaling both.
+  // Seconds of a real step at a micro-batch in a precision, timed over some steps
+  // (train/step_timing.h provides one).
+  using StepTimer = std::function<double(Precision precision, int64_t rows, int timed_steps)>;
+  // Times `base`'s model: in base's precision (or the first asked for) at micro-batches 1 and
+  // `larger`, which splits fixed from per-FLOP cost; each other precision at `larger` only, scaling
+  // both.
   static CostModel calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
-                             int timed = 1);
+                             const StepTimer& time_step, int timed = 1);
   // `anchor` (calibrated in precision `measured`) extended to other precisions by measured ratios of
   // step time (theirs / the anchor's at the same micro-batch), as the doctor's lever trials give.
   static CostModel with_ratios(const CostModel& anchor, Precision measured, const std::map<Precision, double>& ratios);

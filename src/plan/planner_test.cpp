@@ -6,6 +6,7 @@
 
 #include "estimate/estimator.h"
 #include "memory/oom_report.h"
+#include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/size.h"
 
@@ -93,7 +94,9 @@ TEST(CostModel, CountsRecomputeAndTheFixedCostOfEachMicroBatch) {
   EXPECT_NEAR(micro_batch_flops(m, 4, 64, full, AttentionPath::flash) / f_none, 4.0 / 3.0, 0.1);
   EXPECT_LT(f_none, micro_batch_flops(m, 4, 64, none, AttentionPath::math));
 
-  const CostModel cost = CostModel::calibrate(base, {Precision::fp32}, 4);
+  const CostModel cost = CostModel::calibrate(base, {Precision::fp32}, 4, [&](Precision p, int64_t rows, int timed) {
+    return time_train_step(base, p, rows, timed);
+  });
   ASSERT_TRUE(cost.calibrated());
   const StepTimeFit fit = cost.fits().at(Precision::fp32);
   EXPECT_GT(fit.seconds_per_flop, 0);

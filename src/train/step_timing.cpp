@@ -1,0 +1,36 @@
+#include "train/step_timing.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "train/trainer.h"
+
+namespace headroom {
+
+double time_train_step(const RunConfig& base, Precision precision, int64_t rows, int timed) {
+  RunConfig cfg = base;
+  cfg.batch = rows;
+  cfg.accum = 1;
+  cfg.precision = precision_name(precision);
+  cfg.checkpointing = "none";
+  cfg.attention = "flash";
+  cfg.steps = 1 + std::max(1, timed);
+  cfg.eval_rows = 0;
+  cfg.quiet = true;
+  cfg.json = false;
+  cfg.memory_budget.clear();  // timing only; memory is the estimator's business
+  cfg.metrics.clear();
+  cfg.checkpoint.clear();
+  cfg.resume.clear();
+  cfg.stop_at = 0;
+  cfg.inject_oom.clear();
+  cfg.inject_leak.clear();
+  cfg.memory_snapshot.clear();
+  cfg.plan.clear();
+  const TrainSummary s = train(cfg);
+  std::vector<double> times(s.step_seconds.begin() + 1, s.step_seconds.end());
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace headroom

@@ -1,0 +1,18 @@
+// Step timing — how long a real training step of a configuration takes on this machine, for the
+// planner's cost model (plan/cost_model.h), which takes it as a function so that the planner does
+// not depend on the trainer.
+#pragma once
+
+#include <cstdint>
+
+#include "train/precision.h"
+#include "train/run_config.h"
+
+namespace headroom {
+
+// Median seconds of `timed` steps of `base` (its model, seq, data and device) at micro-batch `rows`
+// in `precision`, after one warm-up step; accumulation 1, no checkpointing, flash attention, no
+// budget, no outputs.
+double time_train_step(const RunConfig& base, Precision precision, int64_t rows, int timed);
+
+}  // namespace headroom
