@@ -181,7 +181,7 @@ TEST(Cli, EstimateAndPlanPrintTheirContracts) {
 TEST(Cli, HelpListsTheFlagsAndExitCodes) {
   const Result top = run("--help");
   EXPECT_EQ(top.code, 0);
-  EXPECT_THAT(top.out, HasSubstr("3 out of memory"));
+  EXPECT_THAT(top.out, HasSubstr("3 does not fit: out of memory"));
   const Result train = run("train --help");
   EXPECT_EQ(train.code, 0);
   for (const char* flag : {"--model", "--set", "--steps", "--checkpoint", "--resume", "--metrics", "--config"}) {

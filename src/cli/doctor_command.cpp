@@ -20,7 +20,8 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
       "Diagnose a configuration: run it under its budget, explain what happened (OOM, breakdown measured vs\n"
       "estimated, leaks, fragmentation), try each lever for real, and recommend a plan proven to fit.\n"
       "Flags override an embedded default (tiny on the bundled corpus, cpu, batch 16 x seq 128 in 140 MiB,\n"
-      "which does not fit); with none it runs that, in about a minute on two cores.");
+      "which does not fit); with none it runs that, in under a minute on two cores. Exit code 3 when no plan\n"
+      "fits or the recommended one fails its 3 verification steps.");
   auto config =
       bind_run_flags(cmd,
                      {"model", "set", "data", "batch", "accum", "seq", "seed", "device", "attention", "precision",
@@ -34,20 +35,31 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
       validate(cfg);
       if (!report->empty() && resolve_device(cfg.device).is_cuda()) cfg.memory_snapshot = *report + ".snapshot.pickle";
       const int64_t budget = device_budget(cfg, "doctor");
-      std::FILE* report_file = nullptr;
+      // The report's path is tried first: a bad one fails before a minute of diagnosis, not after;
+      // and a diagnosis that fails leaves no empty page behind.
+      struct PendingReport {
+        std::string path;
+        bool written = false;
+        ~PendingReport() {
+          if (!path.empty() && !written) std::remove(path.c_str());
+        }
+      } pending;
       if (!report->empty()) {
-        // Opened first: a bad path fails before a minute of diagnosis, not after.
-        report_file = std::fopen(report->c_str(), "w");
-        if (report_file == nullptr) fail("--report: cannot write '{}'", *report);
+        std::FILE* probe = std::fopen(report->c_str(), "w");
+        if (probe == nullptr) fail("--report: cannot write '{}'", *report);
+        std::fclose(probe);
+        pending.path = *report;
       }
       const DoctorReport r = run_doctor(cfg, budget, [&](const std::string& line) {
         if (!cfg.quiet) fmt::print(stderr, "doctor: {}\n", line);
       });
-      if (report_file != nullptr) {
+      if (!pending.path.empty()) {
         const std::string html = report_html(r);
-        const bool ok = std::fwrite(html.data(), 1, html.size(), report_file) == html.size();
-        if (std::fclose(report_file) != 0 || !ok) fail("--report: writing '{}' failed", *report);
-        if (!cfg.quiet) fmt::print(stderr, "doctor: report written to {}\n", *report);
+        std::FILE* f = std::fopen(pending.path.c_str(), "w");
+        const bool ok = f != nullptr && std::fwrite(html.data(), 1, html.size(), f) == html.size();
+        if (f == nullptr || std::fclose(f) != 0 || !ok) fail("--report: writing '{}' failed", pending.path);
+        pending.written = true;
+        if (!cfg.quiet) fmt::print(stderr, "doctor: report written to {}\n", pending.path);
         if (!cfg.quiet && !r.snapshot.empty()) {
           fmt::print(stderr, "doctor: PyTorch memory snapshot written to {} (open in pytorch.org/memory_viz)\n",
                      r.snapshot);

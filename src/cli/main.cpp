@@ -45,8 +45,9 @@ int main(int argc, char** argv) {
   app.footer(
       "Sizes accept 512MiB, 24GiB, 80GB. Every command takes --json and then prints exactly one JSON object on "
       "stdout.\n"
-      "Exit codes: 0 success; 2 bad input (flags, config, files); 3 out of memory that the OOM guard could not "
-      "absorb (or with --no-guard), with a diagnosis; 4 internal error.");
+      "Exit codes: 0 success; 2 bad input (flags, config, files); 3 does not fit: out of memory that the OOM "
+      "guard could not absorb (or with --no-guard), with a diagnosis, or a prediction, plan or search that finds "
+      "nothing fitting; 4 internal error.");
   std::function<int()> run;
   add_train_command(app, run);
   add_fit_command(app, run);

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "cli/run_flags.h"
+#include "memory/oom_report.h"
 #include "plan/planner.h"
 #include "train/step_timing.h"
 #include "util/error.h"
@@ -35,9 +36,15 @@ PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& r
       fmt::print(stderr, "calibrating step time on this machine ({} precision{}, 2 micro-batch sizes)...\n",
                  precisions.size(), precisions.size() == 1 ? "" : "s");
     }
-    cost = CostModel::calibrate(
-        cfg, precisions, std::min<int64_t>(4, o.global_batch),
-        [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); });
+    try {
+      cost = CostModel::calibrate(
+          cfg, precisions, std::min<int64_t>(4, o.global_batch),
+          [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); });
+    } catch (const OutOfMemory&) {
+      // A timing step that does not fit the device (no checkpointing, micro-batch `larger`).
+      if (!cfg.quiet) fmt::print(stderr, "calibration ran out of memory; ranking by FLOPs alone\n");
+      cost = CostModel::flops_only();
+    }
   }
   rank_plans(result, request, cost);
   return result;
@@ -53,11 +60,14 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
   return r;
 }
 
-[[noreturn]] void nothing_fits(const PlanResult& result, const PlanRequest& r) {
+[[noreturn]] void nothing_fits(const PlanResult& result, const PlanRequest& r, bool can_allow_optimizer_change) {
   throw DoesNotFit(fmt::format(
-      "no plan fits {} (less the {:.0f}% margin): the smallest predicted peak is {} ({}); other levers: a lighter "
-      "optimizer (--allow-optimizer-change), a shorter --seq, or a larger budget",
-      format_bytes(r.budget), 100 * r.margin, format_bytes(result.smallest_peak), result.smallest_peak_plan));
+      "no plan fits {} (less the {:.0f}% margin): the smallest predicted peak is {} ({}); other levers: {}a shorter "
+      "--seq, or a larger budget",
+      format_bytes(r.budget), 100 * r.margin, format_bytes(result.smallest_peak), result.smallest_peak_plan,
+      r.allow_optimizer_change     ? ""
+      : can_allow_optimizer_change ? "a lighter optimizer (--allow-optimizer-change), "
+                                   : "a lighter --optimizer (adafactor, sgd), "));
 }
 
 }  // namespace
@@ -67,7 +77,7 @@ RunConfig choose_plan(const RunConfig& cfg) {
   o.global_batch = cfg.batch * cfg.accum;
   const PlanRequest r = request_of(cfg, o, "--plan auto");
   const PlanResult result = plan(cfg, o, r);
-  if (result.plans.empty()) nothing_fits(result, r);
+  if (result.plans.empty()) nothing_fits(result, r, false);
   const Plan& best = result.plans.front();
   if (!cfg.quiet) {
     fmt::print(stderr,
@@ -112,7 +122,7 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       }
       if (result.plans.empty()) {
         if (cfg.json) return kExitOom;
-        nothing_fits(result, r);
+        nothing_fits(result, r, true);
       }
       if (!cfg.json) {
         fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,

@@ -119,12 +119,12 @@ std::string describe_run(const RunConfig& c) {
 // global batch; 0 when none.
 int64_t largest_fitting_micro(const ModelConfig& model, const RunConfig& cfg, int64_t budget) {
   const int64_t global = cfg.batch * cfg.accum;
-  for (int64_t m = cfg.batch; m >= 1; m = m > 1 ? (m + 1) / 2 : 0) {
+  for (int64_t m = cfg.batch; m >= 1; --m) {
+    if (global % m != 0) continue;  // the same sequences per step, exactly
     RunConfig c = cfg;
     c.batch = m;
-    c.accum = (global + m - 1) / m;
+    c.accum = global / m;
     if (static_cast<double>(estimate(model, train_spec(c)).peak_bytes) <= 0.95 * static_cast<double>(budget)) return m;
-    if (m == 1) break;
   }
   return 0;
 }
@@ -309,9 +309,14 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
     for (Precision p : precisions_of(plans)) {
       if (p != own && precision_ratio.count(p) == 0) untimed.push_back(p);
     }
-    CostModel cost = CostModel::calibrate(
-        timing, untimed, std::min<int64_t>(4, global),
-        [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); });
+    CostModel cost = CostModel::flops_only();
+    try {
+      cost = CostModel::calibrate(
+          timing, untimed, std::min<int64_t>(4, global),
+          [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); });
+    } catch (const OutOfMemory&) {
+      say("4/5 calibration ran out of memory; ranking by FLOPs alone");
+    }
     rank_plans(plans, pr, CostModel::with_ratios(cost, own, precision_ratio));
     r.plan_found = true;
     r.plan = plans.plans.front();
@@ -387,13 +392,12 @@ std::string DoctorReport::to_text() const {
   } else {
     out += fmt::format("   it fits: peak {} of {}\n", format_bytes(measured_peak), format_bytes(budget));
   }
-  const int64_t est_act = estimate.category(sim::Category::activations) + estimate.category(sim::Category::logits) +
-                          estimate.category(sim::Category::loss) + estimate.category(sim::Category::temporaries) +
-                          estimate.category(sim::Category::weight_copies) + estimate.category(sim::Category::allocator);
+  const int64_t est_act = estimate.step_memory();
   const bool partial = oom && !measured_whole_step;
-  out +=
-      fmt::format("   {:<34} {:>11} {:>11}\n",
-                  partial ? "at the failure / whole step" : "whole step, without the budget:", "measured", "estimated");
+  out += fmt::format("   {:<34} {:>11} {:>11}\n",
+                     partial ? "at the failure / whole step"
+                             : (measured_whole_step ? "whole step, without the budget:" : "at the step's peak:"),
+                     "measured", "estimated");
   auto row = [&](const char* name, int64_t m, int64_t e) {
     out += fmt::format("   {:<34} {:>11} {:>11}\n", name, format_bytes(m), format_bytes(e));
   };
@@ -433,11 +437,14 @@ std::string DoctorReport::to_text() const {
     out += fmt::format("   predicted peak {}; trained for 3 steps: peak {} of {} — {}\n",
                        format_bytes(plan.predicted_peak_bytes), format_bytes(verified_peak_bytes), format_bytes(budget),
                        plan_verified ? "fits" : "DID NOT FIT");
+    std::string flags;
+    for (const auto& o : config.overrides) flags += " --set " + o;
+    if (!config.data.empty()) flags += " --data " + config.data;
     out += fmt::format(
-        "   run it: headroom train --model {} --seq {} --batch {} --accum {} --precision {} "
-        "--checkpointing {} --attention {} --optimizer {} --memory-budget {}\n",
-        config.model, config.seq, plan.batch, plan.accum, plan.precision, plan.checkpointing, plan.attention,
-        plan.optimizer, budget);
+        "   run it: headroom train --model {}{} --device {} --seed {} --seq {} --batch {} --accum {} "
+        "--precision {} --checkpointing {} --attention {} --optimizer {} --memory-budget {}\n",
+        config.model, flags, config.device, config.seed, config.seq, plan.batch, plan.accum, plan.precision,
+        plan.checkpointing, plan.attention, plan.optimizer, budget);
   } else {
     out += "   " + plan_note + "\n";
   }

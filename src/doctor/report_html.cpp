@@ -81,10 +81,7 @@ std::string timeline_svg(const DoctorReport& r) {
 
 // Horizontal bars, two per category: measured and estimated.
 std::string breakdown_svg(const DoctorReport& r) {
-  const int64_t est_act = r.estimate.category(sim::Category::activations) + r.estimate.category(sim::Category::logits) +
-                          r.estimate.category(sim::Category::loss) + r.estimate.category(sim::Category::temporaries) +
-                          r.estimate.category(sim::Category::weight_copies) +
-                          r.estimate.category(sim::Category::allocator);
+  const int64_t est_act = r.estimate.step_memory();
   const std::vector<std::tuple<std::string, int64_t, int64_t>> rows = {
       {"weights", r.measured.weights, r.estimate.category(sim::Category::weights)},
       {"gradients", r.measured.gradients, r.estimate.category(sim::Category::gradients)},
@@ -171,7 +168,9 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
                 : fmt::format("<p class=\"good\" id=\"verdict\">It fits: peak {} of {}.</p>\n",
                               escape(format_bytes(r.measured_peak)), escape(format_bytes(r.budget)));
   html += "<p>Memory by category at the step's peak, measured" +
-          std::string(r.oom && !r.measured_whole_step ? " at the failure (a lower bound)" : " (without the budget)") +
+          std::string(r.oom && !r.measured_whole_step ? " at the failure (a lower bound)"
+                      : r.measured_whole_step         ? " (without the budget)"
+                                                      : "") +
           " and estimated:</p>\n" + breakdown_svg(r) + "\n";
   html += "<h2>2. Leaks and fragmentation</h2>\n";
   html += fmt::format("<p id=\"leak\"><b>{}</b> — {} ({})</p>\n", r.leak.detected ? "Leak detected" : "No leak",

@@ -37,7 +37,6 @@ class StepSim {
   StepSim(const ModelConfig& c, const TrainSpec& s) : c_(c), s_(s), graph_(mem_), g_(&graph_) {
     mixed_ = s.precision == Precision::bf16_mixed || s.precision == Precision::fp16_mixed;
     ew_ = s.precision == Precision::bf16 ? 2 : 4;
-    el_ = (mixed_ || s.precision == Precision::bf16) ? 2 : 4;
     const std::string w = fmt::format("{} B each", ew_);
     weights_ = mem_.label("weights", Category::weights, "parameters × " + w);
     grads_ = mem_.label("gradients", Category::gradients, "parameters × " + w + ", filled as backward reaches them");
@@ -269,7 +268,6 @@ class StepSim {
   sim::Graph* g_;
   bool mixed_ = false;
   int ew_ = 4;  // parameter bytes
-  int el_ = 4;  // matmul output bytes
   int weights_, grads_, copies_, tmp_;
   std::map<std::string, Param> params_;
   std::vector<std::string> order_;  // parameter names in registration order
@@ -661,9 +659,8 @@ Estimate StepSim::run() {
                                                           "adafactor's float32 scratch, the largest parameter")));
   }
 
-  const int64_t global_rows = s_.batch * s_.accum;
   micro_batch(s_.batch);
-  if (s_.accum > 1) micro_batch(std::min(s_.batch, global_rows - s_.batch));
+  if (s_.accum > 1) micro_batch(s_.batch);  // the second sees the first's gradients
 
   mem_.set_phase(Phase::optimizer);
   {
@@ -705,6 +702,11 @@ Estimate StepSim::run() {
 }
 
 }  // namespace
+
+int64_t Estimate::step_memory() const {
+  return peak_bytes - category(sim::Category::weights) - category(sim::Category::gradients) -
+         category(sim::Category::optimizer) - category(sim::Category::other);
+}
 
 nlohmann::json Estimate::to_json() const {
   nlohmann::json j;

@@ -59,6 +59,9 @@ struct Estimate {
   std::array<int64_t, 6> phase_peaks{};               // indexed by Phase
 
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
+  // What the trainer's monitor counts as activations: everything but weights, gradients, optimizer
+  // state and other (saved activations, weight copies, logits, loss, temporaries, allocator rounding).
+  int64_t step_memory() const;
   // PRODUCT.md: {"model": {"name", "params"}, "peak_bytes", "peak_phase", "breakdown": {...}}, plus
   // "items" (name, category, bytes, formula) and "phases" (peak per phase).
   nlohmann::json to_json() const;

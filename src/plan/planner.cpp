@@ -40,7 +40,6 @@ std::vector<int64_t> micro_batches(int64_t global) {
       out.insert(global / d);
     }
   }
-  for (int64_t p = 1; p <= global; p *= 2) out.insert(p);
   return {out.begin(), out.end()};
 }
 
@@ -117,9 +116,14 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
         cost.step_seconds(model, p.batch, r.global_batch, r.base.seq, parse_precision(p.precision),
                           parse_checkpoint_policy(p.checkpointing), parse_attention_path(p.attention));
   }
+  // Ties (an uncalibrated model sees only FLOPs; float sums differ in the last bits): fewer, larger
+  // micro-batches, then the smaller peak.
   std::stable_sort(plans.plans.begin(), plans.plans.end(), [](const Plan& a, const Plan& b) {
-    if (a.predicted_step_seconds != b.predicted_step_seconds)
+    const double scale = std::max(a.predicted_step_seconds, b.predicted_step_seconds);
+    if (std::abs(a.predicted_step_seconds - b.predicted_step_seconds) > 1e-9 * scale) {
       return a.predicted_step_seconds < b.predicted_step_seconds;
+    }
+    if (a.accum != b.accum) return a.accum < b.accum;
     return a.predicted_peak_bytes < b.predicted_peak_bytes;
   });
   if (plans.plans.empty()) return;

@@ -1,6 +1,7 @@
 // Planner — the fastest way to train a global batch within a memory budget (levers 3, 4, 5, 6, 8).
 //
-// Enumerates micro-batch × accumulation (the global batch of sequences per optimizer step fixed),
+// Enumerates micro-batch × accumulation (the divisors of the global batch, so that the sequences per
+// optimizer step stay exactly that),
 // precision, checkpointing policy and attention path — and the optimizer only when allowed, since
 // it changes the training dynamics — predicts each candidate's peak with the estimator, keeps those
 // under the budget less a safety margin, and ranks them by the cost model's step time. Two stages,
@@ -40,7 +41,7 @@ struct PlanResult {
   int64_t considered = 0;
   int64_t smallest_peak = 0;  // over every candidate, fitting or not
   std::string smallest_peak_plan;
-  nlohmann::json to_json() const;  // {"plans": [...], "considered", "global_batch", "budget_bytes"}
+  nlohmann::json to_json() const;  // {"plans": [...], "considered"}
 };
 
 // Stage 1: every candidate the estimator says fits (unranked; step times not yet set).

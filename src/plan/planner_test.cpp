@@ -48,7 +48,9 @@ TEST(Planner, TheTopPlanTrainsUnderItsBudget) {
     EXPECT_EQ(p.optimizer, base.optimizer) << "the optimizer changes only when allowed";
     EXPECT_GE(p.batch * p.accum, global);
     EXPECT_LT(p.batch * (p.accum - 1), global);
-    if (i > 0) EXPECT_GE(p.predicted_step_seconds, plans.plans[i - 1].predicted_step_seconds);
+    if (i > 0) {
+      EXPECT_GE(p.predicted_step_seconds, plans.plans[i - 1].predicted_step_seconds);
+    }
   }
   EXPECT_DOUBLE_EQ(plans.plans.front().predicted_step_time_ratio, 1.0);
 

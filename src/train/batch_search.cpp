@@ -96,7 +96,9 @@ FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t l
       const double predicted = static_cast<double>(predict(guess));
       if (t.fits) {
         exact.push_back({guess, static_cast<double>(t.peak_bytes), predicted});
-      } else if (exact.empty() && predicted > 0) {
+      } else if (!exact.empty()) {
+        break;  // between a measured fit and this failure: bisection
+      } else if (predicted > 0) {
         low_scale = std::max(
             {low_scale, static_cast<double>(t.peak_bytes) / predicted, (static_cast<double>(budget) + 1) / predicted});
       }

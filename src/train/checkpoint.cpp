@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fcntl.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,8 +12,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-
-#include <fmt/ranges.h>
 
 #include "util/error.h"
 #include "util/json.h"
@@ -93,16 +92,21 @@ void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const s
       at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
       const size_t n = t.nbytes();
       write_all(fd, t.data_ptr(), n, tmp_path);
-      tensors.push_back({{"group", group}, {"name", name}, {"dtype", std::string(c10::toString(t.scalar_type()))},
-                         {"shape", t.sizes().vec()}, {"offset", offset}, {"bytes", n},
+      tensors.push_back({{"group", group},
+                         {"name", name},
+                         {"dtype", std::string(c10::toString(t.scalar_type()))},
+                         {"shape", t.sizes().vec()},
+                         {"offset", offset},
+                         {"bytes", n},
                          {"fnv1a", hex(fnv1a(t.data_ptr(), n))}});
       offset += n;
     }
   };
   write_group("model", model);
   write_group("optimizer", optimizer);
-  const nlohmann::json footer = {{"format", kFormat}, {"step", info.step}, {"seed", info.seed},
-                                 {"total_steps", info.total_steps}, {"model", info.model}, {"tensors", tensors}};
+  const nlohmann::json footer = {{"format", kFormat},   {"step", info.step},
+                                 {"seed", info.seed},   {"total_steps", info.total_steps},
+                                 {"model", info.model}, {"tensors", tensors}};
   const std::string text = dump_json(footer);
   const uint64_t length = text.size();
   write_all(fd, text.data(), text.size(), tmp_path);
@@ -160,23 +164,25 @@ CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTe
   for (const auto& t : model) wanted[{"model", t.name}] = t.tensor;
   for (const auto& t : optimizer) wanted[{"optimizer", t.name}] = t.tensor;
   if (footer.at("tensors").size() != wanted.size()) {
-    fail("--resume: '{}' holds {} tensors but this run's model and optimizer have {}: it was written for a "
-         "different model or optimizer", path, footer.at("tensors").size(), wanted.size());
+    fail(
+        "--resume: '{}' holds {} tensors but this run's model and optimizer have {}: it was written for a "
+        "different model or optimizer",
+        path, footer.at("tensors").size(), wanted.size());
   }
   c10::NoGradGuard no_grad;
   for (const auto& entry : footer.at("tensors")) {
     const std::string group = entry.at("group"), name = entry.at("name");
     auto it = wanted.find({group, name});
     if (it == wanted.end()) {
-      fail("--resume: '{}' has {} tensor '{}' that this run does not: it was written for a different model",
-           path, group, name);
+      fail("--resume: '{}' has {} tensor '{}' that this run does not: it was written for a different model", path,
+           group, name);
     }
     at::Tensor& target = it->second;
     const auto shape = entry.at("shape").get<std::vector<int64_t>>();
     if (target.sizes().vec() != shape || std::string(c10::toString(target.scalar_type())) != entry.at("dtype")) {
-      fail("--resume: '{}' tensor '{}' is {} {} but this run's is {} {}: a different model configuration",
-           path, name, entry.at("dtype").get<std::string>(), fmt::join(shape, "x"),
-           c10::toString(target.scalar_type()), fmt::join(target.sizes().vec(), "x"));
+      fail("--resume: '{}' tensor '{}' is {} {} but this run's is {} {}: a different model configuration", path, name,
+           entry.at("dtype").get<std::string>(), fmt::join(shape, "x"), c10::toString(target.scalar_type()),
+           fmt::join(target.sizes().vec(), "x"));
     }
     at::Tensor buffer = at::empty(shape, target.options().device(at::kCPU));
     const uint64_t off = entry.at("offset"), n = entry.at("bytes");

@@ -1,9 +1,8 @@
 #include "train/checkpoint.h"
 
+#include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <ATen/ATen.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,8 +14,8 @@ namespace headroom {
 namespace {
 
 using ::testing::HasSubstr;
-using ::testing::ThrowsMessage;
 using testing::TempDir;
+using ::testing::ThrowsMessage;
 
 std::vector<NamedTensor> tensors(float base) {
   return {{"a", at::full({3, 4}, base)}, {"b", at::arange(5, at::kFloat) + base}};

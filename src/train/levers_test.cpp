@@ -1,14 +1,13 @@
 // The levers of the trainer, each checked against what it must preserve and what it must change:
 // accumulation and checkpointing leave the update unchanged; checkpointing and precision lower the
 // measured peak; the fp16 loss scaler skips an overflowing step and backs off.
+#include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "testing/jsonl.h"
 #include "testing/temp_dir.h"
@@ -134,7 +133,8 @@ TEST(Precision, MixedPrecisionHoldsLessAndStillLearns) {
   // Activations saved in bf16 take half the bytes; weights, gradients and AdamW state stay fp32.
   EXPECT_LT(bf16[2]["phases"]["forward"]["breakdown"]["activations"].get<int64_t>(),
             fp32[2]["phases"]["forward"]["breakdown"]["activations"].get<int64_t>());
-  EXPECT_EQ(bf16[2]["phases"]["optimizer"]["breakdown"]["weights"], fp32[2]["phases"]["optimizer"]["breakdown"]["weights"]);
+  EXPECT_EQ(bf16[2]["phases"]["optimizer"]["breakdown"]["weights"],
+            fp32[2]["phases"]["optimizer"]["breakdown"]["weights"]);
   EXPECT_NEAR(bf16[0]["loss"].get<double>(), fp32[0]["loss"].get<double>(), 0.02);  // same model, rounding only
   cfg.precision = "bf16";
   const auto pure = run_metrics(cfg);

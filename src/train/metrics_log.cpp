@@ -1,11 +1,10 @@
 #include "train/metrics_log.h"
 
-#include <nlohmann/json.hpp>
-
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "util/error.h"
@@ -48,11 +47,16 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> keep_thro
 
 void MetricsLog::write(const StepRecord& r) {
   if (!out_.is_open()) return;
-  nlohmann::json j = {{"step", r.step},           {"loss", r.loss},
-                      {"tokens", r.tokens},       {"seconds", r.seconds},
-                      {"peak_bytes", r.peak_bytes}, {"live_bytes", r.live_bytes},
-                      {"lr", r.lr},               {"grad_norm", r.grad_norm},
-                      {"batch", r.batch},         {"accum", r.accum},
+  nlohmann::json j = {{"step", r.step},
+                      {"loss", r.loss},
+                      {"tokens", r.tokens},
+                      {"seconds", r.seconds},
+                      {"peak_bytes", r.peak_bytes},
+                      {"live_bytes", r.live_bytes},
+                      {"lr", r.lr},
+                      {"grad_norm", r.grad_norm},
+                      {"batch", r.batch},
+                      {"accum", r.accum},
                       {"oom_recoveries", r.oom_recoveries}};
   if (!r.peak_phase.empty()) j["peak_phase"] = r.peak_phase;
   if (!r.phases.is_null()) j["phases"] = r.phases;

@@ -33,8 +33,7 @@ AutocastState forward_autocast(Precision p) {
   }
 }
 
-LossScaler::LossScaler(const c10::Device& device, double initial_scale, double growth, double backoff,
-                       int64_t interval)
+LossScaler::LossScaler(const c10::Device& device, double initial_scale, double growth, double backoff, int64_t interval)
     : scale_(at::full({}, initial_scale, at::TensorOptions().dtype(at::kFloat).device(device))),
       growth_tracker_(at::zeros({}, at::TensorOptions().dtype(at::kInt).device(device))),
       found_inf_(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device))),
@@ -48,9 +47,7 @@ bool LossScaler::unscale(const std::vector<at::Tensor>& grads) {
   return found_inf_.item<float>() > 0;
 }
 
-void LossScaler::update() {
-  at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, growth_, backoff_, interval_);
-}
+void LossScaler::update() { at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, growth_, backoff_, interval_); }
 
 double LossScaler::scale_value() const { return scale_.item<double>(); }
 

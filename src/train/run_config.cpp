@@ -2,10 +2,10 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <toml++/toml.h>
 
 #include <charconv>
 #include <cmath>
-#include <toml++/toml.h>
 
 #include "model/checkpointing.h"
 #include "optim/optimizer.h"
@@ -67,8 +67,7 @@ int64_t RunConfig::warmup_steps() const {
 
 const std::vector<RunField>& run_fields() {
   static const std::vector<RunField> fields = {
-      text("model", "model: a preset (tiny, small, gpt2, llama-3.2-1b, ...) or a config.json path",
-           &RunConfig::model),
+      text("model", "model: a preset (tiny, small, gpt2, llama-3.2-1b, ...) or a config.json path", &RunConfig::model),
       {"set", Kind::list, "override a model config field, key=value (repeatable)",
        [](RunConfig& c, const std::string& s) { c.overrides.push_back(s); }},
       text("data", "training text file (default: the bundled corpus); byte-level tokens", &RunConfig::data),
@@ -82,7 +81,8 @@ const std::vector<RunField>& run_fields() {
       text("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer),
       number("weight-decay",
              "weight decay on matrices, as PyTorch's optimizer of that name applies it (default: 0.1 for "
-             "adamw, 0 for the others)", &RunConfig::weight_decay),
+             "adamw, 0 for the others)",
+             &RunConfig::weight_decay),
       number("grad-clip", "clip the global gradient norm to this (0: off)", &RunConfig::grad_clip),
       {"seed", Kind::integer, "seed for initialisation, data order and dropout",
        [](RunConfig& c, const std::string& s) {
@@ -91,40 +91,44 @@ const std::vector<RunField>& run_fields() {
          c.seed = static_cast<uint64_t>(v);
        }},
       text("device", "auto (cuda when present), cpu, cuda or cuda:N", &RunConfig::device),
-      text("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)",
-           &RunConfig::attention),
+      text("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)", &RunConfig::attention),
       text("precision", "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling) or bf16 (pure)",
            &RunConfig::precision),
-      text("checkpointing",
-           "activation checkpointing: none, selective (attention), full (every layer) or every:K",
+      text("checkpointing", "activation checkpointing: none, selective (attention), full (every layer) or every:K",
            &RunConfig::checkpointing),
       text("memory-budget",
            "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
-           "below the card", &RunConfig::memory_budget),
+           "below the card",
+           &RunConfig::memory_budget),
       text("memory-snapshot", "cuda: write PyTorch's memory snapshot (open in pytorch.org/memory_viz) to FILE",
            &RunConfig::memory_snapshot),
       text("inject-oom",
            "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
-           "STEP:above:SIZE (its first allocation larger than SIZE)", &RunConfig::inject_oom),
+           "STEP:above:SIZE (its first allocation larger than SIZE)",
+           &RunConfig::inject_oom),
       text("inject-leak",
            "plant a leak, for the leak detector: keep-graph (losses summed without detaching, backward told to "
-           "retain the graph) or keep-outputs (each step's logits kept)", &RunConfig::inject_leak),
+           "retain the graph) or keep-outputs (each step's logits kept)",
+           &RunConfig::inject_leak),
       text("metrics", "write one JSON object per optimizer step to this JSONL file", &RunConfig::metrics),
       text("checkpoint", "save checkpoints (atomically) into this directory", &RunConfig::checkpoint),
-      integer("checkpoint-every", "also checkpoint every N steps (0: only at the end)",
-              &RunConfig::checkpoint_every),
-      integer("stop-at", "stop after this step, checkpointing first, keeping the --steps schedule "
-              "(for time-sliced jobs; continue with --resume)", &RunConfig::stop_at),
+      integer("checkpoint-every", "also checkpoint every N steps (0: only at the end)", &RunConfig::checkpoint_every),
+      integer("stop-at",
+              "stop after this step, checkpointing first, keeping the --steps schedule "
+              "(for time-sliced jobs; continue with --resume)",
+              &RunConfig::stop_at),
       text("resume", "continue from the checkpoint in this directory", &RunConfig::resume),
       integer("eval-every", "evaluate held-out loss every N steps (0: only at the end)", &RunConfig::eval_every),
       integer("eval-rows", "held-out sequences per evaluation (0: no evaluation)", &RunConfig::eval_rows),
       text("plan",
            "auto: before training, choose the fastest plan that fits the memory budget (micro-batch x "
            "accumulation at the same --batch x --accum sequences per step, precision, checkpointing, attention), "
-           "as `headroom plan` ranks them", &RunConfig::plan),
+           "as `headroom plan` ranks them",
+           &RunConfig::plan),
       flag("no-guard",
            "turn the OOM guard off: by default an OOM in a step re-runs it with half the micro-batch and "
-           "twice the accumulation (same data), down to micro-batch 1", &RunConfig::no_guard),
+           "twice the accumulation (same data), down to micro-batch 1",
+           &RunConfig::no_guard),
       flag("json", "print one JSON summary object on stdout at the end", &RunConfig::json),
       flag("quiet", "no progress lines on stderr", &RunConfig::quiet),
   };
@@ -187,8 +191,10 @@ std::optional<int64_t> RunConfig::budget_bytes() const {
 std::optional<RunConfig::OomInjection> RunConfig::oom_injection() const {
   if (inject_oom.empty()) return std::nullopt;
   auto bad = [&]() -> std::optional<OomInjection> {
-    fail("--inject-oom '{}': expected STEP:N (fail the N-th allocation of step STEP) or STEP:above:SIZE, e.g. "
-         "2:150 or 3:above:1MiB", inject_oom);
+    fail(
+        "--inject-oom '{}': expected STEP:N (fail the N-th allocation of step STEP) or STEP:above:SIZE, e.g. "
+        "2:150 or 3:above:1MiB",
+        inject_oom);
   };
   const auto colon = inject_oom.find(':');
   if (colon == std::string::npos) return bad();

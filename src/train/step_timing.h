@@ -12,7 +12,7 @@ namespace headroom {
 
 // Median seconds of `timed` steps of `base` (its model, seq, data and device) at micro-batch `rows`
 // in `precision`, after one warm-up step; accumulation 1, no checkpointing, flash attention, no
-// budget, no outputs.
+// budget, no outputs, no OOM guard: throws OutOfMemory when the shape does not fit the device.
 double time_train_step(const RunConfig& base, Precision precision, int64_t rows, int timed);
 
 }  // namespace headroom

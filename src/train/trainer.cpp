@@ -150,7 +150,7 @@ std::string estimated_levers(const RunConfig& cfg, int64_t budget) {
   for (const Change& ch : changes) {
     RunConfig c = one;
     ch.apply(c);
-    if (ch.flag != "--precision bf16" || cfg.precision == "bf16") ch.apply(all);  // pure bf16 only alone
+    if (ch.flag != "--precision bf16") ch.apply(all);  // pure bf16 only alone
     const int64_t peak = peak_of(c);
     parts.push_back(fmt::format("{} {} ({})", ch.flag, format_bytes(peak), peak <= budget ? "fits" : "does not fit"));
   }

@@ -1,17 +1,15 @@
 #include "train/trainer.h"
 
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/ranges.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
-
-#include <fmt/ranges.h>
 
 #include "config/model_config.h"
 #include "data/text_dataset.h"
@@ -36,8 +34,8 @@ double initial_eval_loss(const RunConfig& cfg) {
   int64_t n = 0;
   for (const Batch& b : data.eval_batches(cfg.batch, cfg.eval_rows)) {
     auto logits = model.forward(b.inputs, {AttentionPath::flash, false});
-    auto loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.targets.reshape({-1}), {},
-                                       at::Reduction::Sum);
+    auto loss =
+        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.targets.reshape({-1}), {}, at::Reduction::Sum);
     sum += loss.item<double>();
     n += b.tokens();
   }
@@ -115,8 +113,8 @@ TEST(Trainer, MetricsCarryTheContractFields) {
   const TrainSummary s = train(cfg);
   const auto lines = read_jsonl(cfg.metrics);
   ASSERT_EQ(lines.size(), 2u);
-  for (const char* key : {"step", "loss", "tokens", "seconds", "peak_bytes", "live_bytes", "batch", "accum",
-                          "oom_recoveries"}) {
+  for (const char* key :
+       {"step", "loss", "tokens", "seconds", "peak_bytes", "live_bytes", "batch", "accum", "oom_recoveries"}) {
     EXPECT_TRUE(lines[1].contains(key)) << key;
   }
   EXPECT_EQ(lines[1]["tokens"], 2 * 16);
@@ -232,8 +230,9 @@ TEST(TrainerMemory, BudgetEndsTheRunWithTheDocumentedMessage) {
     EXPECT_FALSE(r.injected);
     EXPECT_LE(r.in_use, r.budget);
     EXPECT_GT(r.in_use + r.requested, r.budget);
-    EXPECT_THAT(r.message, ::testing::MatchesRegex("CPU out of memory \\(headroom budget\\) during [a-z_]+ of step 1\\. "
-                                                   "Tried to allocate .*\\. Budget 100 MiB; .* in use; .* free\\."));
+    EXPECT_THAT(r.message,
+                ::testing::MatchesRegex("CPU out of memory \\(headroom budget\\) during [a-z_]+ of step 1\\. "
+                                        "Tried to allocate .*\\. Budget 100 MiB; .* in use; .* free\\."));
   }
 }
 
