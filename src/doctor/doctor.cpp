@@ -57,17 +57,9 @@ struct TrialRun {
 
 // `capped`: under the budget (an OOM ends it early, its figures a lower bound); otherwise on the
 // machine's own memory (cpu), so that the peak is the whole step's.
-TrialRun run_trial(RunConfig c, int64_t steps, bool capped = true, const std::string& snapshot = "") {
+TrialRun run_trial(const RunConfig& config, int64_t steps, bool capped = true, const std::string& snapshot = "") {
+  RunConfig c = as_trial(config, steps);
   if (!capped) c.memory_budget.clear();
-  c.steps = steps;
-  c.no_guard = true;
-  c.eval_rows = 0;
-  c.quiet = true;
-  c.json = false;
-  c.checkpoint.clear();
-  c.resume.clear();
-  c.stop_at = 0;
-  c.plan.clear();
   c.memory_snapshot = snapshot;
   ScratchFile metrics("metrics.jsonl");
   c.metrics = metrics.path();

@@ -18,19 +18,9 @@ nlohmann::json FitResult::to_json() const {
 }
 
 Trial trial_step(const RunConfig& base, int64_t batch) {
-  RunConfig cfg = base;
+  RunConfig cfg = as_trial(base, 1);
   cfg.batch = batch;
   cfg.accum = 1;
-  cfg.steps = 1;
-  cfg.no_guard = true;
-  cfg.eval_rows = 0;
-  cfg.quiet = true;
-  cfg.json = false;
-  cfg.metrics.clear();
-  cfg.checkpoint.clear();
-  cfg.resume.clear();
-  cfg.stop_at = 0;
-  cfg.inject_oom.clear();
   try {
     const TrainSummary s = train(cfg);
     return {batch, true, s.peak_bytes};

@@ -215,6 +215,23 @@ std::optional<RunConfig::OomInjection> RunConfig::oom_injection() const {
   return o;
 }
 
+RunConfig as_trial(RunConfig c, int64_t steps) {
+  c.steps = steps;
+  c.no_guard = true;
+  c.eval_rows = 0;
+  c.quiet = true;
+  c.json = false;
+  c.metrics.clear();
+  c.checkpoint.clear();
+  c.checkpoint_every = 0;
+  c.resume.clear();
+  c.stop_at = 0;
+  c.plan.clear();
+  c.memory_snapshot.clear();
+  c.inject_oom.clear();
+  return c;
+}
+
 void validate(const RunConfig& c) {
   auto positive = [](const char* flag, int64_t v) {
     if (v <= 0) fail("--{} must be positive, got {}", flag, v);

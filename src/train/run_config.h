@@ -27,25 +27,25 @@ struct RunConfig {
   int64_t warmup = -1;        // steps; -1: 5% of --steps (at least 1)
   std::string optimizer = "adamw";
   double weight_decay = -1;  // -1: 0.1 for adamw, 0 for the others
-  double grad_clip = 1.0;  // max global grad norm; 0 turns clipping off
+  double grad_clip = 1.0;    // max global grad norm; 0 turns clipping off
   uint64_t seed = 1234;
   std::string device = "auto";
   std::string attention = "flash";
   std::string precision = "fp32";
   std::string checkpointing = "none";
-  std::string memory_budget;    // size text; empty: none. cpu: a simulated device; cuda: a cap
-  std::string memory_snapshot;  // cuda: write PyTorch's memory snapshot pickle here at the end
-  std::string inject_oom;       // cpu fault injection: "STEP:N" (N-th allocation) or "STEP:above:SIZE"
-  std::string inject_leak;      // planted leak: "keep-graph" or "keep-outputs"
-  std::string metrics;     // JSONL path
-  std::string checkpoint;  // directory
+  std::string memory_budget;     // size text; empty: none. cpu: a simulated device; cuda: a cap
+  std::string memory_snapshot;   // cuda: write PyTorch's memory snapshot pickle here at the end
+  std::string inject_oom;        // cpu fault injection: "STEP:N" (N-th allocation) or "STEP:above:SIZE"
+  std::string inject_leak;       // planted leak: "keep-graph" or "keep-outputs"
+  std::string metrics;           // JSONL path
+  std::string checkpoint;        // directory
   int64_t checkpoint_every = 0;  // steps; 0: only at the end
   int64_t stop_at = 0;           // stop (with a checkpoint) after this step; 0: run to --steps
   std::string resume;            // directory
   int64_t eval_every = 0;        // steps; 0: only at the end
   int64_t eval_rows = 64;        // held-out windows per evaluation; 0: none
-  std::string plan;       // "auto": choose the fastest plan that fits before training (cli/plan)
-  bool no_guard = false;  // OOM guard off: an OOM ends the run
+  std::string plan;              // "auto": choose the fastest plan that fits before training (cli/plan)
+  bool no_guard = false;         // OOM guard off: an OOM ends the run
   bool json = false;
   bool quiet = false;
 
@@ -76,6 +76,11 @@ const std::vector<RunField>& run_fields();
 // Applies a TOML file's settings to `config`. Throws Error on a parse error (with line and column),
 // an unknown key (listing the accepted ones) or a bad value.
 void apply_toml_file(RunConfig& config, const std::string& path);
+
+// `config` as a short measuring run of `steps` steps: no OOM guard, no evaluation, no progress, no
+// outputs (metrics, checkpoints, snapshot), no resume, stop-at, plan or injected OOM. What it
+// trains (model, shapes, precision, budget, an injected leak) is kept.
+RunConfig as_trial(RunConfig config, int64_t steps);
 
 // Checks ranges and combinations after all sources are applied; throws Error naming the flag.
 void validate(const RunConfig& config);

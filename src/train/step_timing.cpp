@@ -8,26 +8,15 @@
 namespace headroom {
 
 double time_train_step(const RunConfig& base, Precision precision, int64_t rows, int timed) {
-  RunConfig cfg = base;
+  // No guard: the time of this shape, or an OOM for the caller to handle.
+  RunConfig cfg = as_trial(base, 1 + std::max(1, timed));
   cfg.batch = rows;
   cfg.accum = 1;
   cfg.precision = precision_name(precision);
   cfg.checkpointing = "none";
   cfg.attention = "flash";
-  cfg.steps = 1 + std::max(1, timed);
-  cfg.eval_rows = 0;
-  cfg.quiet = true;
-  cfg.json = false;
   cfg.memory_budget.clear();  // timing only; memory is the estimator's business
-  cfg.metrics.clear();
-  cfg.checkpoint.clear();
-  cfg.resume.clear();
-  cfg.stop_at = 0;
-  cfg.inject_oom.clear();
   cfg.inject_leak.clear();
-  cfg.memory_snapshot.clear();
-  cfg.plan.clear();
-  cfg.no_guard = true;  // the time of this shape, or an OOM for the caller to handle
   const TrainSummary s = train(cfg);
   std::vector<double> times(s.step_seconds.begin() + 1, s.step_seconds.end());
   std::sort(times.begin(), times.end());
