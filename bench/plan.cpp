@@ -28,10 +28,7 @@ double seconds_per_step(RunConfig cfg, int64_t steps) {
   cfg.eval_rows = 0;
   cfg.quiet = true;
   try {
-    const TrainSummary s = train(cfg);
-    std::vector<double> t(s.step_seconds.begin() + 1, s.step_seconds.end());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
+    return train(cfg).median_step_seconds();
   } catch (const OutOfMemory&) {
     return -1;
   }

@@ -46,7 +46,6 @@ class ScratchFile {
 struct TrialRun {
   bool fits = false;
   int64_t peak = 0;
-  double step_seconds = 0;  // median after the first step (the only one if just one)
   double first_step_seconds = 0;
   OomReport oom;
   Breakdown breakdown;  // at the last step's peak (fitted runs)
@@ -68,10 +67,6 @@ TrialRun run_trial(const RunConfig& config, int64_t steps, bool capped = true, c
     t.summary = train(c);
     t.fits = true;
     t.peak = t.summary.peak_bytes;
-    std::vector<double> s(t.summary.step_seconds.begin() + (t.summary.step_seconds.size() > 1 ? 1 : 0),
-                          t.summary.step_seconds.end());
-    std::sort(s.begin(), s.end());
-    t.step_seconds = s.empty() ? 0 : s[s.size() / 2];
     t.first_step_seconds = t.summary.step_seconds.empty() ? 0 : t.summary.step_seconds.front();
   } catch (const OutOfMemory& e) {
     t.oom = e.report();

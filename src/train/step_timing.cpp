@@ -1,7 +1,6 @@
 #include "train/step_timing.h"
 
 #include <algorithm>
-#include <vector>
 
 #include "train/trainer.h"
 
@@ -17,10 +16,7 @@ double time_train_step(const RunConfig& base, Precision precision, int64_t rows,
   cfg.attention = "flash";
   cfg.memory_budget.clear();  // timing only; memory is the estimator's business
   cfg.inject_leak.clear();
-  const TrainSummary s = train(cfg);
-  std::vector<double> times(s.step_seconds.begin() + 1, s.step_seconds.end());
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return train(cfg).median_step_seconds();
 }
 
 }  // namespace headroom

@@ -213,6 +213,13 @@ std::string format_eta(double seconds) {
 
 }  // namespace
 
+double TrainSummary::median_step_seconds() const {
+  if (step_seconds.empty()) return 0;
+  std::vector<double> t(step_seconds.begin() + (step_seconds.size() > 1 ? 1 : 0), step_seconds.end());
+  std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
+  return t[t.size() / 2];
+}
+
 TrainSummary train(const RunConfig& cfg) {
   validate(cfg);
   const at::Device device = resolve_device(cfg.device);

@@ -23,11 +23,13 @@ struct TrainSummary {
   int64_t params = 0;
   int64_t steps = 0;  // total optimizer steps completed, resumed ones included
   double final_loss = 0;
-  double eval_loss = 0;      // NaN with --eval-rows 0
+  double eval_loss = 0;     // NaN with --eval-rows 0
   double tokens_per_s = 0;  // over the steps this process ran
   int64_t peak_bytes = 0;   // over the steps this process ran
   double seconds = 0;
   std::vector<double> step_seconds;  // each step this process ran, in order
+  // The median of step_seconds after the first (which warms up); the only one if just one; 0 if none.
+  double median_step_seconds() const;
   std::vector<StepLive> live_series;  // each step this process ran: live bytes after it, transient
   // cpu: the allocations made during the steps (after the first two) still alive when the run ended
   std::vector<LeakSite> surviving;
