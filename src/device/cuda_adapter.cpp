@@ -7,9 +7,32 @@
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 
+#include <atomic>
+#include <memory>
+
 #include "util/error.h"
 
 namespace headroom {
+namespace {
+
+// The (step, phase) the next allocation is made in; read by the allocator's context recorder, a
+// plain function pointer, hence globals.
+std::atomic<int64_t> g_origin_step{-1};
+std::atomic<int> g_origin_phase{0};
+
+struct AllocationOrigin final : c10::GatheredContext {
+  int64_t step = -1;
+  int phase = 0;
+};
+
+std::shared_ptr<c10::GatheredContext> record_origin() {
+  auto origin = std::make_shared<AllocationOrigin>();
+  origin->step = g_origin_step.load(std::memory_order_relaxed);
+  origin->phase = g_origin_phase.load(std::memory_order_relaxed);
+  return origin;
+}
+
+}  // namespace
 
 bool cuda_available() { return c10::cuda::device_count() > 0; }
 
@@ -65,5 +88,35 @@ void cuda_record_memory_history(bool enabled) {
 }
 
 std::string cuda_memory_snapshot_pickle() { return torch::cuda::_memory_snapshot_pickled(); }
+
+void cuda_record_allocation_origins(bool enabled) {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  if (enabled) {
+    // STATE: a context for each live block, no history of frees; one trace entry, the least allowed.
+    alloc::recordHistory(true, &record_origin, 1, alloc::RecordContext::STATE, false, {});
+  } else {
+    alloc::recordHistory(false, nullptr, 0, alloc::RecordContext::NEVER, true, {});
+  }
+}
+
+void cuda_set_allocation_origin(int64_t step, int phase) {
+  g_origin_step.store(step, std::memory_order_relaxed);
+  g_origin_phase.store(phase, std::memory_order_relaxed);
+}
+
+std::vector<CudaLiveBlock> cuda_live_blocks(int device) {
+  const auto snapshot = c10::cuda::CUDACachingAllocator::snapshot({0, 0}, /*include_traces=*/false);
+  std::vector<CudaLiveBlock> out;
+  for (const auto& segment : snapshot.segments) {
+    if (segment.device != device) continue;
+    for (const auto& block : segment.blocks) {
+      if (!block.allocated) continue;
+      const auto* origin = dynamic_cast<const AllocationOrigin*>(block.context_when_allocated.get());
+      if (origin == nullptr) continue;
+      out.push_back({origin->step, origin->phase, static_cast<int64_t>(block.requested_size)});
+    }
+  }
+  return out;
+}
 
 }  // namespace headroom

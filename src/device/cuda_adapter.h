@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace headroom {
 
@@ -46,5 +47,19 @@ void cuda_empty_cache();
 // history with stack traces, then take the snapshot.
 void cuda_record_memory_history(bool enabled);
 std::string cuda_memory_snapshot_pickle();
+
+// Allocation origins, for leak attribution from the allocator's own records: while on, the caching
+// allocator tags each allocation with the (step, phase) last set by cuda_set_allocation_origin
+// (recordHistory with headroom's context recorder, kept for live blocks only). Exclusive with
+// cuda_record_memory_history: the allocator has one recorder; switching either off clears both.
+void cuda_record_allocation_origins(bool enabled);
+void cuda_set_allocation_origin(int64_t step, int phase);
+struct CudaLiveBlock {
+  int64_t step = -1;
+  int phase = 0;
+  int64_t requested_bytes = 0;  // as asked for, before the allocator's rounding
+};
+// The allocated blocks of `device` that carry an origin.
+std::vector<CudaLiveBlock> cuda_live_blocks(int device);
 
 }  // namespace headroom

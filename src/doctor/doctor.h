@@ -6,8 +6,10 @@
 // estimate. (2) leaks — a dozen steps at a micro-batch that fits, judged by the leak detector, with
 // the surviving allocations' sites. Fragmentation — on cuda, reserved against allocated. (3-6, 8)
 // each applicable lever tried for real in a short run: accumulation, precision, checkpointing,
-// attention, optimizer state (adam and adamw hold the same), empty-cache; its peak, saving, step
-// time and whether it fits. (7) static graphs — on cpu, said plainly not to apply. Then the planner's
+// attention, optimizer state (adam and adamw hold the same); its peak, saving, step time and whether
+// it fits. On cuda also empty-cache (what it returns and what the next step costs) and (7) static
+// graphs (the step eager against a replayed CUDA graph); on cpu both are said plainly not to apply.
+// On cuda the leak check's sites come from the caching allocator's own records. Then the planner's
 // recommendation, trained for a few steps to prove it fits.
 #pragma once
 

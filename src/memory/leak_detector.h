@@ -5,7 +5,8 @@
 // (Theil-Sen: the median of the slopes between every pair of steps) and a monotonicity test (the
 // fraction of steps that did not shrink) decide. The threshold is relative to the step's transient
 // memory (its peak above what it started with): growth below 1% of it per step is noise, not a leak,
-// however steady. Attribution uses the budget allocator's records: the allocations still alive that
+// however steady. Attribution uses the allocator's own records (cpu: the budget allocator's; cuda:
+// the caching allocator's, tagged through MemoryProbe::record_origins): the allocations still alive that
 // were made inside a step after the warm-up — which a step that releases what it allocated leaves
 // none of — grouped by phase and size: "8 allocations of 256 KiB created during forward of every
 // step and never freed".

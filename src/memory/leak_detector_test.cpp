@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include "device/cuda_adapter.h"
 #include "model/test_models.h"
+#include "util/error.h"
 #include "train/trainer.h"
 
 namespace headroom {
@@ -74,6 +76,28 @@ TEST(LeakDetector, FindsThePlantedLeaksWithTheirSites) {
     ASSERT_FALSE(s.surviving.empty());
     EXPECT_EQ(s.surviving[0].phase, "forward");
   }
+}
+
+// On cuda the sites come from the caching allocator's records, tagged with step and phase. Without a
+// GPU, what can be checked is that a cuda run is refused with the reason.
+TEST(LeakDetector, FindsThePlantedLeakOnCudaFromTheCachingAllocatorsRecords) {
+  RunConfig c = leak_run("keep-outputs");
+  c.device = "cuda";
+  c.leak_origins = true;
+  if (!cuda_available()) {
+    EXPECT_THROW(train(c), Error);
+    return;
+  }
+  const int64_t tokens = 2 * 32, vocab = 256;
+  const TrainSummary s = train(c);
+  EXPECT_TRUE(judge_growth(s.live_series).detected);
+  ASSERT_FALSE(s.surviving.empty());
+  EXPECT_EQ(s.surviving[0].bytes, tokens * vocab * 4);  // as requested, before the allocator rounds
+  EXPECT_EQ(s.surviving[0].phase, "forward");
+  EXPECT_EQ(s.surviving[0].count, 10);  // steps 3..12
+  c.inject_leak.clear();
+  const TrainSummary clean = train(c);
+  EXPECT_TRUE(clean.surviving.empty()) << clean.surviving[0].description;
 }
 
 TEST(LeakDetector, NoFalseAlarmOnCleanRunsOfEveryFamilyAndPrecision) {

@@ -19,6 +19,7 @@ class CpuProbe final : public MemoryProbe {
     auto r = a_.record_of(ptr);
     return r ? std::optional<uint64_t>(r->sequence) : std::nullopt;
   }
+  std::vector<LiveAllocation> live_allocations() const override { return a_.live_allocations(); }
   std::optional<OomEvent> last_oom() const override { return a_.last_oom(); }
   void clear_last_oom() override { a_.clear_last_oom(); }
   void set_budget(std::optional<int64_t> bytes) override { a_.set_budget(bytes); }
@@ -35,6 +36,19 @@ class CudaProbe final : public MemoryProbe {
   int64_t live_bytes() const override { return cuda_memory_stats(index_).allocated_bytes; }
   int64_t peak_bytes() const override { return cuda_memory_stats(index_).peak_allocated_bytes; }
   void reset_peak() override { cuda_reset_peak_stats(index_); }
+  void set_context(int64_t step, Phase phase) override { cuda_set_allocation_origin(step, static_cast<int>(phase)); }
+  void record_origins(bool enabled) override { cuda_record_allocation_origins(enabled); }
+  std::vector<LiveAllocation> live_allocations() const override {
+    std::vector<LiveAllocation> out;
+    for (const CudaLiveBlock& b : cuda_live_blocks(index_)) {
+      LiveAllocation a;
+      a.record.bytes = b.requested_bytes;
+      a.record.step = b.step;
+      a.record.phase = static_cast<Phase>(b.phase);
+      out.push_back(a);
+    }
+    return out;
+  }
   void set_budget(std::optional<int64_t> bytes) override {
     const int64_t total = cuda_device_memory(index_).total_bytes;
     if (bytes && *bytes > total) {

@@ -1,7 +1,8 @@
 // MemoryProbe — live and peak bytes of the device a run trains on, behind one interface.
 //
 // cpu: the BudgetAllocator's exact counts (installed by make_memory_probe), with per-allocation
-// records. cuda: the caching allocator's allocated bytes (device/cuda_adapter.h); no records.
+// records. cuda: the caching allocator's allocated bytes (device/cuda_adapter.h); per-allocation
+// origins (step, phase, size) only while record_origins(true), which costs a little per allocation.
 // Peaks are since the last reset_peak().
 #pragma once
 
@@ -11,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "memory/budget_allocator.h"
 #include "memory/phase.h"
@@ -24,8 +26,13 @@ class MemoryProbe {
   virtual int64_t peak_bytes() const = 0;
   virtual void reset_peak() = 0;
 
-  // Tags allocations with the step and phase they are made in (cpu only).
+  // Tags allocations with the step and phase they are made in (cuda: while origins are recorded).
   virtual void set_context(int64_t /*step*/, Phase /*phase*/) {}
+  // cuda: starts or stops tagging allocations (cpu: always on).
+  virtual void record_origins(bool /*enabled*/) {}
+  // The allocations alive now with their origin (cpu: every one; cuda: those made while recording);
+  // `ptr` is null where the backend does not expose it (cuda).
+  virtual std::vector<LiveAllocation> live_allocations() const = 0;
   // Sequence number of the allocation that set the current peak, and of the allocation holding
   // `ptr`; nullopt where the backend keeps no per-allocation records (cuda).
   virtual std::optional<uint64_t> peak_sequence() const { return std::nullopt; }

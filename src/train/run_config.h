@@ -46,6 +46,9 @@ struct RunConfig {
   int64_t eval_rows = 64;        // held-out windows per evaluation; 0: none
   std::string plan;              // "auto": choose the fastest plan that fits before training (cli/plan)
   bool no_guard = false;         // OOM guard off: an OOM ends the run
+  // cuda: tag allocations with their step and phase so that TrainSummary::surviving names leak
+  // sites (the doctor's leak check; a little cost per allocation). Not a flag; cpu always tags.
+  bool leak_origins = false;
   bool json = false;
   bool quiet = false;
 

@@ -29,6 +29,7 @@
 #include "train/lr_schedule.h"
 #include "train/metrics_log.h"
 #include "train/precision.h"
+#include "train/step_ops.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/json.h"
@@ -40,17 +41,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-// Dropout's randomness for step `step`: a function of (seed, step) alone.
-void seed_step(uint64_t seed, int64_t step) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) + 1;
-  x = (x ^ (x >> 31)) * 0xBF58476D1CE4E5B9ull;
-  at::manual_seed(x >> 1);
-}
-
-at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}));
-}
 
 double evaluate(const CausalLM& model, const TextDataset& data, const RunConfig& cfg, const at::Device& device,
                 AttentionPath attention, Precision precision) {
@@ -237,16 +227,18 @@ TrainSummary train(const RunConfig& cfg) {
   // What this run sets process-wide (a budget, CUDA allocation history) is undone when it ends.
   struct RunGuard {
     MemoryProbe& probe;
-    bool history;
+    bool history, origins;
     ~RunGuard() {
       try {
         probe.set_budget(std::nullopt);
         if (history) cuda_record_memory_history(false);
+        if (origins) probe.record_origins(false);
       } catch (...) {
       }
     }
-  } guard{*probe, !cfg.memory_snapshot.empty()};
+  } guard{*probe, !cfg.memory_snapshot.empty(), cfg.leak_origins && device.is_cuda() && cfg.memory_snapshot.empty()};
   if (guard.history) cuda_record_memory_history(true);
+  if (guard.origins) probe->record_origins(true);  // the snapshot's recorder would replace it
 
   const ModelConfig model_cfg = load_model_config(cfg.model, cfg.overrides);
   if (model_cfg.vocab_size < kByteVocabulary) {
@@ -518,9 +510,7 @@ TrainSummary train(const RunConfig& cfg) {
     }
   }
   summary.seconds = seconds_since(run_start);
-  if (!device.is_cuda()) {
-    summary.surviving = leak_sites(BudgetAllocator::install().live_allocations(), start + 2, end);
-  }
+  if (!device.is_cuda() || guard.origins) summary.surviving = leak_sites(probe->live_allocations(), start + 2, end);
   summary.peak_bytes = peak;
   const int64_t ran = summary.steps - start;
   summary.tokens_per_s = ran > 0 ? static_cast<double>(ran * tokens_per_step) / train_seconds : 0.0;

@@ -31,7 +31,8 @@ struct TrainSummary {
   // The median of step_seconds after the first (which warms up); the only one if just one; 0 if none.
   double median_step_seconds() const;
   std::vector<StepLive> live_series;  // each step this process ran: live bytes after it, transient
-  // cpu: the allocations made during the steps (after the first two) still alive when the run ended
+  // The allocations made during the steps (after the first two) still alive when the run ended, by
+  // site (cpu; cuda with RunConfig::leak_origins)
   std::vector<LeakSite> surviving;
   std::string device;
   std::string memory_table;   // MemoryMonitor::summary_table()
