@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "config/run_config.h"
 #include "memory/budget_allocator.h"
-#include "train/run_config.h"
 #include "train/trainer.h"
 #include "util/error.h"
 

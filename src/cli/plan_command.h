@@ -2,10 +2,9 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
-
 #include <functional>
 
-#include "train/run_config.h"
+#include "config/run_config.h"
 
 namespace headroom {
 

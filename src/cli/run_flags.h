@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "train/run_config.h"
+#include "config/run_config.h"
 
 namespace headroom {
 

@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "config/run_config.h"
 #include "estimate/estimator.h"
 #include "memory/leak_detector.h"
 #include "memory/memory_monitor.h"
 #include "plan/planner.h"
-#include "train/run_config.h"
 
 namespace headroom {
 

@@ -8,10 +8,10 @@
 #include <map>
 #include <unordered_map>
 
+#include "config/run_config.h"
 #include "data/embedded.h"
 #include "device/device.h"
 #include "model/causal_lm.h"
-#include "train/run_config.h"
 #include "util/error.h"
 #include "util/size.h"
 

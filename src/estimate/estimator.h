@@ -21,12 +21,12 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "config/precision.h"
 #include "estimate/sim.h"
 #include "memory/phase.h"
 #include "model/attention.h"
 #include "model/checkpointing.h"
 #include "optim/optimizer.h"
-#include "train/precision.h"
 
 namespace headroom {
 

@@ -9,13 +9,13 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "config/run_config.h"
 #include "memory/budget_allocator.h"
 #include "model/causal_lm.h"
 #include "model/test_models.h"
 #include "testing/estimate_grid.h"
 #include "testing/jsonl.h"
 #include "testing/temp_dir.h"
-#include "train/run_config.h"
 #include "train/trainer.h"
 
 namespace headroom {

@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "config/precision.h"
+#include "config/run_config.h"
 #include "model/attention.h"
 #include "model/checkpointing.h"
-#include "train/precision.h"
-#include "train/run_config.h"
 
 namespace headroom {
 

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "config/run_config.h"
 #include "plan/cost_model.h"
-#include "train/run_config.h"
 
 namespace headroom {
 

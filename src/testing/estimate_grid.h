@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "config/run_config.h"
 #include "model/test_models.h"
-#include "train/run_config.h"
 
 namespace headroom::testing {
 

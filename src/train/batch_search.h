@@ -21,7 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "train/run_config.h"
+#include "config/run_config.h"
 
 namespace headroom {
 
@@ -34,8 +34,8 @@ struct Trial {
 using TrialFunction = std::function<Trial(int64_t batch)>;
 
 struct FitResult {
-  int64_t max_batch = 0;  // 0: not even batch 1 fits
-  std::vector<Trial> log;  // in the order run
+  int64_t max_batch = 0;           // 0: not even batch 1 fits
+  std::vector<Trial> log;          // in the order run
   nlohmann::json to_json() const;  // {"max_batch", "trials", "log": [{"batch", "fits", "peak_bytes"}]}
 };
 

@@ -6,25 +6,6 @@
 
 namespace headroom {
 
-const char* precision_name(Precision p) {
-  switch (p) {
-    case Precision::fp32: return "fp32";
-    case Precision::bf16_mixed: return "bf16-mixed";
-    case Precision::fp16_mixed: return "fp16-mixed";
-    case Precision::bf16: return "bf16";
-  }
-  return "?";
-}
-
-Precision parse_precision(const std::string& text) {
-  for (auto p : {Precision::fp32, Precision::bf16_mixed, Precision::fp16_mixed, Precision::bf16}) {
-    if (text == precision_name(p)) return p;
-  }
-  fail("--precision '{}': accepted: fp32, bf16-mixed, fp16-mixed (with loss scaling), bf16 (pure)", text);
-}
-
-c10::ScalarType parameter_dtype(Precision p) { return p == Precision::bf16 ? at::kBFloat16 : at::kFloat; }
-
 AutocastState forward_autocast(Precision p) {
   switch (p) {
     case Precision::bf16_mixed: return {true, at::kBFloat16};

@@ -1,9 +1,5 @@
-// Precision — how a run computes (lever 4):
-//   fp32        everything in float32
-//   bf16-mixed  float32 weights, gradients and optimizer state; the forward pass under autocast to
-//               bfloat16 (autocast caches low-precision copies of the weights during it)
-//   fp16-mixed  the same with float16, plus a dynamic loss scaler (LossScaler)
-//   bf16        weights, gradients and optimizer state in bfloat16 ("pure" bf16)
+// Precision at run time (lever 4; the settings themselves are in config/precision.h): the forward
+// pass's autocast, and fp16's dynamic loss scaler.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,18 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "config/precision.h"
 #include "device/autocast_adapter.h"
 
 namespace headroom {
 
-enum class Precision { fp32, bf16_mixed, fp16_mixed, bf16 };
-
-const char* precision_name(Precision p);
-// Throws Error naming the accepted values.
-Precision parse_precision(const std::string& text);
-
-// dtype of the weights, gradients and optimizer state.
-c10::ScalarType parameter_dtype(Precision p);
 // The autocast setting of the forward pass.
 AutocastState forward_autocast(Precision p);
 

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "train/run_config.h"
+#include "config/run_config.h"
 
 namespace headroom {
 

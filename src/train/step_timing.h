@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
+#include "config/run_config.h"
 #include "train/precision.h"
-#include "train/run_config.h"
 
 namespace headroom {
 

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "config/run_config.h"
 #include "memory/leak_detector.h"
-#include "train/run_config.h"
 
 namespace headroom {
 

@@ -1,4 +1,4 @@
-#include "train/run_config.h"
+#include "config/run_config.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -7,9 +7,9 @@
 #include <charconv>
 #include <cmath>
 
+#include "config/precision.h"
 #include "model/checkpointing.h"
 #include "optim/optimizer.h"
-#include "train/precision.h"
 #include "util/error.h"
 #include "util/size.h"
 
