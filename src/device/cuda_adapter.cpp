@@ -1,5 +1,6 @@
 #include "device/cuda_adapter.h"
 
+#include <ATen/Context.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -38,7 +39,16 @@ bool cuda_available() { return c10::cuda::device_count() > 0; }
 
 int cuda_device_count() { return c10::cuda::device_count(); }
 
-void cuda_synchronize() { c10::cuda::device_synchronize(); }
+void cuda_init() { at::globalContext().lazyInitDevice(c10::DeviceType::CUDA); }
+
+void cuda_synchronize(int device) {
+  if (device < 0) {
+    c10::cuda::device_synchronize();
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  c10::cuda::device_synchronize();
+}
 
 CudaMemoryStats cuda_memory_stats(int device) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
@@ -92,6 +102,7 @@ std::string cuda_memory_snapshot_pickle() { return torch::cuda::_memory_snapshot
 void cuda_record_allocation_origins(bool enabled) {
   namespace alloc = c10::cuda::CUDACachingAllocator;
   if (enabled) {
+    cuda_set_allocation_origin(-1, 0);  // not left over from a run that ended mid-step
     // STATE: a context for each live block, no history of frees; one trace entry, the least allowed.
     alloc::recordHistory(true, &record_origin, 1, alloc::RecordContext::STATE, false, {});
   } else {

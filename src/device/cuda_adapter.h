@@ -13,7 +13,11 @@ namespace headroom {
 
 bool cuda_available();
 int cuda_device_count();
-void cuda_synchronize();
+// Initialises PyTorch's CUDA state (the caching allocator among it) if it is not yet: the allocator
+// settings below need it, and nothing else may have touched CUDA first. Idempotent.
+void cuda_init();
+// Waits for all work on cuda:`device` (-1: the current device).
+void cuda_synchronize(int device = -1);
 
 // Caching-allocator statistics of one device (all pools), current and peak since the last reset.
 struct CudaMemoryStats {

@@ -20,10 +20,12 @@ class CudaGraph {
   CudaGraph(const CudaGraph&) = delete;
   CudaGraph& operator=(const CudaGraph&) = delete;
 
-  // Runs `work` once on a side stream (lazy initialisation happens outside the capture), waits,
-  // then runs it again while capturing. Throws Error naming the reason when the capture fails; the
-  // device stays usable and this graph empty.
-  void capture(const std::function<void()>& work);
+  // Runs `work` once on a side stream of cuda:`device` (lazy initialisation happens outside the
+  // capture), waits, then runs it again while capturing. A host synchronisation inside `work` is an
+  // error in both runs. Throws Error naming the reason when the capture fails; this graph stays
+  // empty and the device usable (a failure CUDA detects itself may leave the random-number
+  // generator's capture state behind: treat the process as done with capturing).
+  void capture(int device, const std::function<void()>& work);
   // Launches the captured kernels on the current stream. Requires a successful capture().
   void replay();
   bool captured() const { return captured_; }

@@ -170,6 +170,9 @@ LeverTrial static_graph_trial(const RunConfig& reference, int64_t budget) {
   } catch (const Error& e) {
     l.applies = false;
     l.note = std::string("not measured: ") + e.what();
+  } catch (const c10::Error& e) {
+    l.applies = false;
+    l.note = "not measured: " + first_line(e.what_without_backtrace());
   }
   return l;
 }

@@ -55,8 +55,9 @@ struct LeakOptions {
 // The verdict on the live-bytes series alone.
 LeakVerdict judge_growth(const std::vector<StepLive>& steps, const LeakOptions& options = {});
 
-// Groups `live` allocations made in steps after the warm-up (0-based step index >= `warmup_steps`
-// and < `last_step`, the step still running or just ended, excluded) into sites.
+// Groups the `live` allocations made in 0-based steps [warmup_steps, last_step) into sites: after a
+// run, last_step is the number of steps run (every step has released what it should); while a step
+// runs, its index, so that its work in progress is not counted.
 std::vector<LeakSite> leak_sites(const std::vector<LiveAllocation>& live, int64_t warmup_steps, int64_t last_step);
 
 }  // namespace headroom

@@ -32,7 +32,7 @@ class CpuProbe final : public MemoryProbe {
 
 class CudaProbe final : public MemoryProbe {
  public:
-  explicit CudaProbe(int index) : index_(index) {}
+  explicit CudaProbe(int index) : index_(index) { cuda_init(); }
   int64_t live_bytes() const override { return cuda_memory_stats(index_).allocated_bytes; }
   int64_t peak_bytes() const override { return cuda_memory_stats(index_).peak_allocated_bytes; }
   void reset_peak() override { cuda_reset_peak_stats(index_); }

@@ -36,12 +36,22 @@ Rotary::Rotary(const ModelConfig& c) : rotary_dim_(c.rotary_dim) {
 }
 
 std::pair<at::Tensor, at::Tensor> Rotary::tables(int64_t seq_len, const at::Device& device) const {
-  auto f32 = at::TensorOptions().dtype(at::kFloat);
-  auto inv = at::tensor(std::vector<float>(inv_freq_.begin(), inv_freq_.end()), f32);
-  auto pos = at::arange(seq_len, f32);
-  auto freqs = at::outer(pos, inv);
-  auto emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos().to(device), emb.sin().to(device)};
+  auto make = [&]() -> std::pair<at::Tensor, at::Tensor> {
+    auto f32 = at::TensorOptions().dtype(at::kFloat);
+    auto inv = at::tensor(std::vector<float>(inv_freq_.begin(), inv_freq_.end()), f32);
+    auto pos = at::arange(seq_len, f32);
+    auto freqs = at::outer(pos, inv);
+    auto emb = at::cat({freqs, freqs}, -1);
+    return {emb.cos().to(device), emb.sin().to(device)};
+  };
+  if (!device.is_cuda()) return make();
+  const std::lock_guard<std::mutex> lock(device_tables_mutex_);
+  for (const DeviceTables& t : device_tables_) {
+    if (t.seq_len == seq_len && t.device == device) return {t.cos, t.sin};
+  }
+  auto [cos, sin] = make();
+  device_tables_.push_back({seq_len, device, cos, sin});
+  return {cos, sin};
 }
 
 at::Tensor Rotary::apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "config/model_config.h"
@@ -16,7 +17,10 @@ class Rotary {
  public:
   explicit Rotary(const ModelConfig& config);
 
-  // cos and sin tables, [T, rotary_dim], float32 on `device`.
+  // cos and sin tables, [T, rotary_dim], float32 on `device`. On cpu they are made for each call
+  // (transient, as the estimator models them). On cuda they are made once per (length, device) and
+  // kept: making them copies from host memory, a host synchronisation every forward that a CUDA
+  // graph capture cannot contain either. Thread-safe.
   std::pair<at::Tensor, at::Tensor> tables(int64_t seq_len, const at::Device& device) const;
 
   // x: [B, H, T, D]; rotates x[..., :rotary_dim]. Tables come from tables().
@@ -27,6 +31,13 @@ class Rotary {
  private:
   int64_t rotary_dim_;
   std::vector<double> inv_freq_;  // rotary_dim / 2 entries
+  struct DeviceTables {
+    int64_t seq_len;
+    at::Device device;
+    at::Tensor cos, sin;
+  };
+  mutable std::mutex device_tables_mutex_;
+  mutable std::vector<DeviceTables> device_tables_;  // cuda only
 };
 
 }  // namespace headroom

@@ -71,10 +71,10 @@ StaticGraphTrial measure_static_graph(const RunConfig& cfg, int64_t steps) {
   auto batch = [&](int64_t step, int64_t m) { return data.train_batch(cfg.seed, step, m * cfg.batch, cfg.batch); };
   using Clock = std::chrono::steady_clock;
   auto timed = [&](auto&& body) {
-    cuda_synchronize();
+    cuda_synchronize(index);
     const auto t0 = Clock::now();
     body();
-    cuda_synchronize();
+    cuda_synchronize(index);
     return std::chrono::duration<double>(Clock::now() - t0).count();
   };
 
@@ -117,7 +117,12 @@ StaticGraphTrial measure_static_graph(const RunConfig& cfg, int64_t steps) {
   at::Tensor static_loss;
   CudaGraph graph;
   try {
-    graph.capture([&] {
+    if (forward.checkpoint.kind != CheckpointPolicy::Kind::none) {
+      fail(
+          "activation checkpointing saves and restores the CUDA random-number state for its recompute, which a "
+          "capture cannot read");
+    }
+    graph.capture(index, [&] {
       static_loss = loss_of(static_inputs, static_targets);
       backward(static_loss);
     });
@@ -126,6 +131,10 @@ StaticGraphTrial measure_static_graph(const RunConfig& cfg, int64_t steps) {
     zero_grad(params);
     return r;
   }
+  // What the capture's warm-up run left cached is not the graph's: only the private pool, which
+  // stays reserved while the graph lives, and what eager also holds count from here.
+  cuda_empty_cache();
+  cuda_reset_peak_stats(index);
   std::vector<double> graphed;
   for (int64_t step = steps; step < 2 * steps; ++step) {
     graphed.push_back(timed([&] {
