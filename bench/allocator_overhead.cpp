@@ -12,15 +12,7 @@
 
 #include "memory/budget_allocator.h"
 #include "train/trainer.h"
-
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-}  // namespace
+#include "util/stats.h"
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 5;
@@ -38,13 +30,14 @@ int main(int argc, char** argv) {
   for (int r = 0; r < rounds; ++r) {
     for (bool accounting : {false, true}) {
       allocator.set_accounting(accounting);
-      const auto s = headroom::train(cfg);
+      const auto s = headroom::train(cfg).summary;
       const double step_s = static_cast<double>(cfg.batch * cfg.seq) / s.tokens_per_s;
       (accounting ? on : off).push_back(step_s);
       fmt::print("  round {} accounting {:<3}  {:.1f} ms/step\n", r + 1, accounting ? "on" : "off", 1e3 * step_s);
     }
   }
   allocator.set_accounting(true);
+  using headroom::median;
   const double ratio = median(on) / median(off);
   fmt::print("median step time: off {:.1f} ms, on {:.1f} ms; on/off = {:.4f} ({:+.2f}%)\n", 1e3 * median(off),
              1e3 * median(on), ratio, 100 * (ratio - 1));

@@ -85,7 +85,7 @@ RunConfig make(const std::string& model, std::vector<std::string> set, int64_t s
   c.overrides = std::move(set);
   c.seq = seq;
   c.device = "cpu";
-  c.memory_budget = budget;
+  c.memory_budget = parse_size(budget, "budget");
   return c;
 }
 
@@ -114,9 +114,9 @@ int main() {
             256, "90MiB")},
       {"tiny L1 seq512 100MiB", make("tiny", {"num_hidden_layers=1"}, 512, "100MiB")},
   };
-  configs[4].run.attention = "math";
-  configs[5].run.optimizer = "sgd";
-  configs[6].run.checkpointing = "full";
+  configs[4].run.attention = AttentionPath::math;
+  configs[5].run.optimizer = OptimizerKind::sgd;
+  configs[6].run.checkpointing = parse_checkpoint_policy("full");
 
   const std::vector<std::string> names = {"headroom-fit", "headroom-line", "lightning-power", "lightning-binsearch",
                                           "accelerate-halving"};
@@ -135,7 +135,7 @@ int main() {
     int64_t truth = 0;
     while (truth < limit && trial(truth + 1).fits) ++truth;  // exhaustive scan
 
-    const int64_t budget = parse_size(c.run.memory_budget, "budget");
+    const int64_t budget = *c.run.memory_budget;
     std::vector<Outcome> results;
     const FitResult seeded = search_max_batch(trial, budget, limit, peak_predictor(c.run));
     results.push_back({seeded.max_batch, static_cast<int>(seeded.log.size())});

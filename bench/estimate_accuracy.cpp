@@ -19,8 +19,6 @@
 
 #include "estimate/estimator.h"
 #include "testing/estimate_grid.h"
-#include "testing/jsonl.h"
-#include "testing/temp_dir.h"
 #include "train/trainer.h"
 
 namespace {
@@ -28,26 +26,26 @@ namespace {
 using namespace headroom;
 
 int64_t state_bytes_per_param(const RunConfig& c) {
-  const int64_t w = c.precision == "bf16" ? 2 : 4;
-  if (c.optimizer == "adam" || c.optimizer == "adamw") return 2 * w;
-  if (c.optimizer == "momentum" || c.optimizer == "adagrad") return w;
+  const int64_t w = c.precision == Precision::bf16 ? 2 : 4;
+  if (is_adam_family(c.optimizer)) return 2 * w;
+  if (c.optimizer == OptimizerKind::momentum || c.optimizer == OptimizerKind::adagrad) return w;
   return 0;  // sgd; adafactor's factored moments are negligible per parameter
 }
 
 // The corpus the trainer holds on cpu is added to both references, so that they are not blamed
 // for it.
 int64_t model_states(const RunConfig& c, const ModelConfig& m) {
-  const int64_t w = c.precision == "bf16" ? 2 : 4;
+  const int64_t w = c.precision == Precision::bf16 ? 2 : 4;
   return count_parameters(m) * (w + w + state_bytes_per_param(c)) + train_spec(c).dataset_bytes;
 }
 
 int64_t korthikanti(const RunConfig& c, const ModelConfig& m) {
   const double s = static_cast<double>(c.seq), b = static_cast<double>(c.batch);
   const double h = static_cast<double>(m.hidden_size), a = static_cast<double>(m.num_heads);
-  const double scale = c.precision == "fp32" ? 2.0 : 1.0;  // the formula counts 2-byte activations
+  const double scale = c.precision == Precision::fp32 ? 2.0 : 1.0;  // the formula counts 2-byte activations
   double per_layer = s * b * h * (34 + 5 * a * s / h);
-  if (c.checkpointing == "selective") per_layer = 34 * s * b * h;
-  if (c.checkpointing == "full") per_layer = 2 * s * b * h;
+  if (c.checkpointing == CheckpointPolicy::selective()) per_layer = 34 * s * b * h;
+  if (c.checkpointing == CheckpointPolicy::full()) per_layer = 2 * s * b * h;
   return model_states(c, m) + static_cast<int64_t>(per_layer * scale * static_cast<double>(m.num_layers));
 }
 
@@ -55,7 +53,6 @@ int64_t korthikanti(const RunConfig& c, const ModelConfig& m) {
 
 int main() {
   const auto grid = testing::accuracy_grid();
-  testing::TempDir dir;
   struct Stats {
     double sum = 0, worst = 0;
     void add(double e) {
@@ -69,9 +66,7 @@ int main() {
     cfg.steps = 2;
     cfg.eval_rows = 0;
     cfg.quiet = true;
-    cfg.metrics = dir.file(fmt::format("m{}.jsonl", i));
-    train(cfg);
-    const auto measured = testing::read_jsonl(cfg.metrics).back()["peak_bytes"].get<int64_t>();
+    const int64_t measured = train(cfg).steps.back().peak_bytes;
     const ModelConfig m = load_model_config(cfg.model, cfg.overrides);
     auto err = [&](int64_t predicted) {
       return static_cast<double>(predicted - measured) / static_cast<double>(measured);

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "memory/oom_report.h"
 #include "plan/planner.h"
 #include "train/step_timing.h"
 #include "train/trainer.h"
@@ -27,11 +26,8 @@ double seconds_per_step(RunConfig cfg, int64_t steps) {
   cfg.no_guard = true;
   cfg.eval_rows = 0;
   cfg.quiet = true;
-  try {
-    return train(cfg).median_step_seconds();
-  } catch (const OutOfMemory&) {
-    return -1;
-  }
+  const TrainResult r = train(cfg);
+  return r.fits() ? r.median_step_seconds() : -1;
 }
 
 }  // namespace
@@ -49,7 +45,7 @@ int main(int argc, char** argv) {
              "speedup");
   for (const char* budget : {"160MiB", "110MiB", "80MiB", "64MiB", "56MiB"}) {
     RunConfig cfg = base;
-    cfg.memory_budget = budget;
+    cfg.memory_budget = parse_size(budget, "budget");
     // The naive fix: halve until a real step fits.
     int64_t micro = global;
     double naive = -1;
@@ -62,19 +58,17 @@ int main(int argc, char** argv) {
     }
     PlanRequest r;
     r.base = cfg;
-    r.base.precision = "fp32";
+    r.base.precision = Precision::fp32;
     r.global_batch = global;
     r.budget = parse_size(budget, "budget");
-    PlanResult plans = fitting_plans(r);
+    const PlanResult plans = plan_with_calibration(
+        r, [&](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); });
     std::string plan_text = "nothing fits";
     double planned = -1;
     if (!plans.plans.empty()) {
-      rank_plans(plans, r,
-                 CostModel::calibrate(cfg, precisions_of(plans), 4, [&](Precision p, int64_t rows, int timed) {
-                   return time_train_step(cfg, p, rows, timed);
-                 }));
       const Plan& p = plans.plans.front();
-      plan_text = fmt::format("{}x{} {} {} {}", p.batch, p.accum, p.precision, p.checkpointing, p.attention);
+      plan_text = fmt::format("{}x{} {} {} {}", p.batch, p.accum, precision_name(p.precision), p.checkpointing.name(),
+                              attention_path_name(p.attention));
       planned = seconds_per_step(with_plan(cfg, p), steps);
       // A second round, interleaved, keeping each one's faster: this shared machine's timing noise
       // is as large as the differences measured.

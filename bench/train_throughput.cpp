@@ -19,7 +19,7 @@ void train_preset(benchmark::State& state, const char* preset, int64_t batch, in
   cfg.quiet = true;
   cfg.eval_rows = 8;
   double tokens_per_s = 0;
-  for (auto _ : state) tokens_per_s = headroom::train(cfg).tokens_per_s;
+  for (auto _ : state) tokens_per_s = headroom::train(cfg).summary.tokens_per_s;
   state.counters["tokens_per_s"] = tokens_per_s;
   state.counters["batch"] = static_cast<double>(batch);
   state.counters["seq"] = static_cast<double>(seq);

@@ -36,7 +36,7 @@ int main() {
   cfg.seq = 256;
   cfg.device = "cuda";
   cfg.quiet = true;
-  const TrainSummary s = train(cfg);
+  const TrainSummary s = train(cfg).summary;
   const CudaMemoryStats st = cuda_memory_stats(0);
   const CudaDeviceMemory dev = cuda_device_memory(0);
   const NvmlReading nv = nvml_read(0);

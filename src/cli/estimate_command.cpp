@@ -28,7 +28,7 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
       const TrainSpec spec = train_spec(cfg);
       const Estimate e = estimate(model, spec);
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-      const auto budget = cfg.budget_bytes();
+      const auto budget = cfg.memory_budget;
       const bool fits = !budget || e.peak_bytes <= *budget;
       if (cfg.json) {
         nlohmann::json j = e.to_json();

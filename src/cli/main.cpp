@@ -16,7 +16,6 @@
 #include "cli/fit_command.h"
 #include "cli/plan_command.h"
 #include "cli/train_command.h"
-#include "memory/oom_report.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/json.h"
@@ -78,15 +77,6 @@ int main(int argc, char** argv) {
     return report(json, kExitOom, "does not fit", e.what());
   } catch (const Error& e) {
     return report(json, kExitUsage, "error", e.what());
-  } catch (const OutOfMemory& e) {
-    fmt::print(stderr, "headroom: {}\n", e.report().to_text());
-    if (json) {
-      fmt::print("{}\n", dump_json({{"error", e.report().message},
-                                    {"kind", "out of memory"},
-                                    {"exit_code", kExitOom},
-                                    {"oom", e.report().to_json()}}));
-    }
-    return kExitOom;
   } catch (const c10::OutOfMemoryError& e) {
     return report(json, kExitOom, "out of memory", first_line(e.what_without_backtrace()));
   } catch (const c10::Error& e) {

@@ -7,7 +7,6 @@
 #include <memory>
 
 #include "cli/run_flags.h"
-#include "memory/oom_report.h"
 #include "plan/planner.h"
 #include "train/step_timing.h"
 #include "util/error.h"
@@ -25,29 +24,13 @@ struct PlanOptions {
   int64_t top = 10;
 };
 
-// Stage 1, calibration (timed real steps) for the precisions that can fit, stage 2.
+// The planner with the cost model calibrated on this machine (unless --no-calibrate).
 PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& request) {
-  PlanResult result = fitting_plans(request);
-  if (result.plans.empty()) return result;
-  CostModel cost = CostModel::flops_only();
-  if (o.calibrate) {
-    const auto precisions = precisions_of(result);
-    if (!cfg.quiet) {
-      fmt::print(stderr, "calibrating step time on this machine ({} precision{}, 2 micro-batch sizes)...\n",
-                 precisions.size(), precisions.size() == 1 ? "" : "s");
-    }
-    try {
-      cost = CostModel::calibrate(
-          cfg, precisions, std::min<int64_t>(4, o.global_batch),
-          [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); });
-    } catch (const OutOfMemory&) {
-      // A timing step that does not fit the device (no checkpointing, micro-batch `larger`).
-      if (!cfg.quiet) fmt::print(stderr, "calibration ran out of memory; ranking by FLOPs alone\n");
-      cost = CostModel::flops_only();
-    }
-  }
-  rank_plans(result, request, cost);
-  return result;
+  CostModel::StepTimer timer;
+  if (o.calibrate) timer = [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); };
+  return plan_with_calibration(request, timer, {}, [&cfg](const std::string& line) {
+    if (!cfg.quiet) fmt::print(stderr, "{}...\n", line);
+  });
 }
 
 PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::string& command) {
@@ -81,9 +64,7 @@ RunConfig choose_plan(const RunConfig& cfg) {
   const Plan& best = result.plans.front();
   if (!cfg.quiet) {
     fmt::print(stderr,
-               "plan: micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {} — predicted peak {} of {} "
-               "(best of {} that fit, {} considered)\n",
-               best.batch, best.accum, best.precision, best.checkpointing, best.attention, best.optimizer,
+               "plan: {} — predicted peak {} of {} (best of {} that fit, {} considered)\n", best.describe(),
                format_bytes(best.predicted_peak_bytes), format_bytes(r.budget), result.plans.size(), result.considered);
   }
   return with_plan(cfg, best);
@@ -132,9 +113,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         const size_t n = std::min<size_t>(result.plans.size(), static_cast<size_t>(o->top));
         for (size_t i = 0; i < n; ++i) {
           const Plan& p = result.plans[i];
-          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:>11} {:>9.2f}x\n", p.batch, p.accum, p.precision,
-                     p.checkpointing, p.attention, p.optimizer, format_bytes(p.predicted_peak_bytes),
-                     p.predicted_step_time_ratio);
+          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:>11} {:>9.2f}x\n", p.batch, p.accum,
+                     precision_name(p.precision), p.checkpointing.name(), attention_path_name(p.attention),
+                     optimizer_name(p.optimizer), format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
         }
       }
       return 0;

@@ -11,8 +11,8 @@ namespace headroom {
 void add_plan_command(CLI::App& app, std::function<int()>& run);
 
 // For `train --plan auto`: `config` set to the fastest plan that fits its budget, keeping its
-// batch × accum sequences per step. Prints the choice to stderr unless quiet; throws OutOfMemory-
-// style Error when nothing fits.
+// batch × accum sequences per step. Prints the choice to stderr unless quiet; throws DoesNotFit
+// (exit code 3) when nothing fits.
 RunConfig choose_plan(const RunConfig& config);
 
 }  // namespace headroom

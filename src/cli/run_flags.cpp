@@ -59,7 +59,7 @@ std::function<RunConfig()> bind_run_flags(CLI::App* cmd, const std::vector<std::
 }
 
 int64_t device_budget(const RunConfig& cfg, const std::string& command) {
-  if (auto b = cfg.budget_bytes()) return *b;
+  if (cfg.memory_budget) return *cfg.memory_budget;
   const auto device = resolve_device(cfg.device);
   if (device.is_cuda()) return cuda_device_memory(device.index() < 0 ? 0 : device.index()).free_bytes;
   fail("{} on cpu needs --memory-budget SIZE (the simulated device to fit into), e.g. --memory-budget 512MiB", command);

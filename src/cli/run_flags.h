@@ -1,5 +1,5 @@
 // The run flags every training-shaped command shares (--model, --set, --batch, ..., --config
-// run.toml), bound to a CLI11 subcommand from the one field table in train/run_config.h.
+// run.toml), bound to a CLI11 subcommand from the one field table in config/run_config.h.
 #pragma once
 
 #include <CLI/CLI.hpp>

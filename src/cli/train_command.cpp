@@ -8,7 +8,9 @@
 
 #include "cli/plan_command.h"
 #include "cli/run_flags.h"
+#include "plan/oom_advice.h"
 #include "train/trainer.h"
+#include "util/error.h"
 #include "util/json.h"
 #include "util/size.h"
 
@@ -22,11 +24,26 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
   cmd->callback([config, &run] {
     run = [config]() -> int {
       RunConfig cfg = config();
-      if (cfg.plan == "auto") {
+      if (cfg.plan_auto) {
         validate(cfg);
         cfg = choose_plan(cfg);
       }
-      const TrainSummary s = train(cfg);
+      const TrainResult result = train(cfg);
+      if (result.oom) {
+        // The trainer reports; the advice (the estimator's numbers for each lever) is composed here.
+        OomReport report = *result.oom;
+        report.advice = oom_advice(report, cfg);
+        fmt::print(stderr, "headroom: {}\n", report.to_text());
+        if (cfg.json) {
+          fmt::print("{}\n", dump_json({{"error", report.message},
+                                        {"kind", "out of memory"},
+                                        {"exit_code", kExitOom},
+                                        {"steps", result.summary.steps},
+                                        {"oom", report.to_json()}}));
+        }
+        return kExitOom;
+      }
+      const TrainSummary& s = result.summary;
       if (cfg.json) {
         const nlohmann::json out = {
             {"params", s.params},

@@ -7,9 +7,6 @@
 #include <charconv>
 #include <cmath>
 
-#include "config/precision.h"
-#include "model/checkpointing.h"
-#include "optim/optimizer.h"
 #include "util/error.h"
 #include "util/size.h"
 
@@ -42,6 +39,19 @@ bool parse_bool(const std::string& key, const std::string& text) {
 
 using Kind = RunField::Kind;
 
+std::optional<int64_t> parse_budget(const std::string& text) {
+  const int64_t b = parse_size(text, "--memory-budget");
+  if (b <= 0) fail("--memory-budget must be positive, got {}", text);
+  return b;
+}
+
+LeakInjection parse_leak_injection(const std::string& text) {
+  for (LeakInjection l : {LeakInjection::keep_graph, LeakInjection::keep_outputs}) {
+    if (text == leak_injection_name(l)) return l;
+  }
+  fail("--inject-leak '{}': accepted: keep-graph, keep-outputs", text);
+}
+
 RunField integer(std::string key, std::string help, int64_t RunConfig::*member) {
   return {key, Kind::integer, std::move(help),
           [key, member](RunConfig& c, const std::string& s) { c.*member = parse_int(key, s); }};
@@ -52,6 +62,11 @@ RunField number(std::string key, std::string help, double RunConfig::*member) {
 }
 RunField text(std::string key, std::string help, std::string RunConfig::*member) {
   return {key, Kind::text, std::move(help), [member](RunConfig& c, const std::string& s) { c.*member = s; }};
+}
+// A setting with named values, parsed once into its type.
+template <typename T>
+RunField choice(std::string key, std::string help, T RunConfig::*member, T (*parse)(const std::string&)) {
+  return {key, Kind::text, std::move(help), [member, parse](RunConfig& c, const std::string& s) { c.*member = parse(s); }};
 }
 RunField flag(std::string key, std::string help, bool RunConfig::*member) {
   return {key, Kind::flag, std::move(help),
@@ -78,7 +93,7 @@ const std::vector<RunField>& run_fields() {
       number("lr", "peak learning rate", &RunConfig::lr),
       number("min-lr-ratio", "cosine schedule ends at lr * this", &RunConfig::min_lr_ratio),
       integer("warmup", "linear warm-up steps (default: 5% of --steps)", &RunConfig::warmup),
-      text("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer),
+      choice("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer, &parse_optimizer),
       number("weight-decay",
              "weight decay on matrices, as PyTorch's optimizer of that name applies it (default: 0.1 for "
              "adamw, 0 for the others)",
@@ -91,25 +106,26 @@ const std::vector<RunField>& run_fields() {
          c.seed = static_cast<uint64_t>(v);
        }},
       text("device", "auto (cuda when present), cpu, cuda or cuda:N", &RunConfig::device),
-      text("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)", &RunConfig::attention),
-      text("precision", "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling) or bf16 (pure)",
-           &RunConfig::precision),
-      text("checkpointing", "activation checkpointing: none, selective (attention), full (every layer) or every:K",
-           &RunConfig::checkpointing),
-      text("memory-budget",
-           "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
-           "below the card",
-           &RunConfig::memory_budget),
+      choice("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)", &RunConfig::attention,
+             &parse_attention_path),
+      choice("precision", "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling) or bf16 (pure)",
+             &RunConfig::precision, &parse_precision),
+      choice("checkpointing", "activation checkpointing: none, selective (attention), full (every layer) or every:K",
+             &RunConfig::checkpointing, &parse_checkpoint_policy),
+      {"memory-budget", Kind::text,
+       "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
+       "below the card",
+       [](RunConfig& c, const std::string& s) { c.memory_budget = parse_budget(s); }},
       text("memory-snapshot", "cuda: write PyTorch's memory snapshot (open in pytorch.org/memory_viz) to FILE",
            &RunConfig::memory_snapshot),
-      text("inject-oom",
-           "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
-           "STEP:above:SIZE (its first allocation larger than SIZE)",
-           &RunConfig::inject_oom),
-      text("inject-leak",
-           "plant a leak, for the leak detector: keep-graph (losses summed without detaching, backward told to "
-           "retain the graph) or keep-outputs (each step's logits kept)",
-           &RunConfig::inject_leak),
+      {"inject-oom", Kind::text,
+       "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
+       "STEP:above:SIZE (its first allocation larger than SIZE)",
+       [](RunConfig& c, const std::string& s) { c.inject_oom = parse_oom_injection(s); }},
+      choice("inject-leak",
+             "plant a leak, for the leak detector: keep-graph (losses summed without detaching, backward told to "
+             "retain the graph) or keep-outputs (each step's logits kept)",
+             &RunConfig::inject_leak, &parse_leak_injection),
       text("metrics", "write one JSON object per optimizer step to this JSONL file", &RunConfig::metrics),
       text("checkpoint", "save checkpoints (atomically) into this directory", &RunConfig::checkpoint),
       integer("checkpoint-every", "also checkpoint every N steps (0: only at the end)", &RunConfig::checkpoint_every),
@@ -120,11 +136,14 @@ const std::vector<RunField>& run_fields() {
       text("resume", "continue from the checkpoint in this directory", &RunConfig::resume),
       integer("eval-every", "evaluate held-out loss every N steps (0: only at the end)", &RunConfig::eval_every),
       integer("eval-rows", "held-out sequences per evaluation (0: no evaluation)", &RunConfig::eval_rows),
-      text("plan",
-           "auto: before training, choose the fastest plan that fits the memory budget (micro-batch x "
-           "accumulation at the same --batch x --accum sequences per step, precision, checkpointing, attention), "
-           "as `headroom plan` ranks them",
-           &RunConfig::plan),
+      {"plan", Kind::text,
+       "auto: before training, choose the fastest plan that fits the memory budget (micro-batch x "
+       "accumulation at the same --batch x --accum sequences per step, precision, checkpointing, attention), "
+       "as `headroom plan` ranks them",
+       [](RunConfig& c, const std::string& s) {
+         if (s != "auto") fail("--plan '{}': accepted: auto", s);
+         c.plan_auto = true;
+       }},
       flag("no-guard",
            "turn the OOM guard off: by default an OOM in a step re-runs it with half the micro-batch and "
            "twice the accumulation (same data), down to micro-batch 1",
@@ -178,30 +197,35 @@ void apply_toml_file(RunConfig& config, const std::string& path) {
 
 double RunConfig::weight_decay_value() const {
   if (weight_decay >= 0) return weight_decay;
-  return optimizer == "adamw" ? 0.1 : 0.0;
+  return optimizer == OptimizerKind::adamw ? 0.1 : 0.0;
 }
 
-std::optional<int64_t> RunConfig::budget_bytes() const {
-  if (memory_budget.empty()) return std::nullopt;
-  const int64_t b = parse_size(memory_budget, "--memory-budget");
-  if (b <= 0) fail("--memory-budget must be positive, got {}", memory_budget);
-  return b;
+const char* leak_injection_name(LeakInjection leak) {
+  switch (leak) {
+    case LeakInjection::none: return "none";
+    case LeakInjection::keep_graph: return "keep-graph";
+    case LeakInjection::keep_outputs: return "keep-outputs";
+  }
+  return "?";
 }
 
-std::optional<RunConfig::OomInjection> RunConfig::oom_injection() const {
-  if (inject_oom.empty()) return std::nullopt;
-  auto bad = [&]() -> std::optional<OomInjection> {
+std::string OomInjection::text() const {
+  return nth > 0 ? fmt::format("{}:{}", step, nth) : fmt::format("{}:above:{}", step, above_bytes);
+}
+
+OomInjection parse_oom_injection(const std::string& text) {
+  auto bad = [&]() -> OomInjection {
     fail(
         "--inject-oom '{}': expected STEP:N (fail the N-th allocation of step STEP) or STEP:above:SIZE, e.g. "
         "2:150 or 3:above:1MiB",
-        inject_oom);
+        text);
   };
-  const auto colon = inject_oom.find(':');
+  const auto colon = text.find(':');
   if (colon == std::string::npos) return bad();
   OomInjection o;
   try {
-    o.step = parse_int("inject-oom", inject_oom.substr(0, colon));
-    const std::string what = inject_oom.substr(colon + 1);
+    o.step = parse_int("inject-oom", text.substr(0, colon));
+    const std::string what = text.substr(colon + 1);
     if (what.rfind("above:", 0) == 0) {
       o.above_bytes = parse_size(what.substr(6), "--inject-oom");
     } else {
@@ -226,9 +250,9 @@ RunConfig as_trial(RunConfig c, int64_t steps) {
   c.checkpoint_every = 0;
   c.resume.clear();
   c.stop_at = 0;
-  c.plan.clear();
+  c.plan_auto = false;
   c.memory_snapshot.clear();
-  c.inject_oom.clear();
+  c.inject_oom.reset();
   return c;
 }
 
@@ -247,20 +271,17 @@ void validate(const RunConfig& c) {
   if (!(c.lr > 0)) fail("--lr must be positive, got {}", c.lr);
   if (c.min_lr_ratio < 0 || c.min_lr_ratio > 1) fail("--min-lr-ratio must be in [0, 1], got {}", c.min_lr_ratio);
   if (c.warmup < -1) fail("--warmup must be non-negative, got {}", c.warmup);
+  if (c.warmup > c.steps) fail("--warmup {} is longer than --steps {}; accepted: 0 to {}", c.warmup, c.steps, c.steps);
   if (c.weight_decay < 0 && c.weight_decay != -1) fail("--weight-decay must be non-negative, got {}", c.weight_decay);
-  parse_optimizer(c.optimizer);
-  parse_precision(c.precision);
-  parse_checkpoint_policy(c.checkpointing);
   if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
-  if (!c.inject_leak.empty() && c.inject_leak != "keep-graph" && c.inject_leak != "keep-outputs") {
-    fail("--inject-leak '{}': accepted: keep-graph, keep-outputs", c.inject_leak);
-  }
-  if (!c.plan.empty() && c.plan != "auto") fail("--plan '{}': accepted: auto", c.plan);
-  c.budget_bytes();  // these parse, or throw naming the flag
-  c.oom_injection();
+  if (c.memory_budget && *c.memory_budget <= 0) fail("--memory-budget must be positive, got {}", *c.memory_budget);
   if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);
+  if (c.inject_oom && c.inject_oom->step > c.end_step()) {
+    fail("--inject-oom {}: step {} never runs (the run ends at step {}); accepted: a step from 1 to {}",
+         c.inject_oom->text(), c.inject_oom->step, c.end_step(), c.end_step());
+  }
   if (c.stop_at > 0 && c.checkpoint.empty() && c.resume.empty()) {
     fail("--stop-at needs --checkpoint DIR (it saves the state to resume from)");
   }

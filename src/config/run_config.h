@@ -1,6 +1,8 @@
-// RunConfig — everything one `headroom train` run is told: model, data, schedule, outputs.
+// RunConfig — everything one `headroom train` run is told: model, data, schedule, levers, outputs.
 //
-// Sources, in increasing precedence: the defaults below, a TOML file (--config run.toml, keys named
+// Typed: each setting is parsed once, where it enters (a flag or a TOML key, through the field
+// table), and printed by name only at output; the levers' settings are the enums and structs of
+// config/ (Precision, OptimizerKind, CheckpointPolicy, AttentionPath). Sources, in increasing precedence: the defaults below, a TOML file (--config run.toml, keys named
 // as the long flags: `steps = 200`, `set = ["num_hidden_layers=2"]`), then command-line flags. The
 // field table (run_fields) is the one list of settings; the CLI and the TOML reader both use it, so
 // a setting cannot exist in one and not the other.
@@ -12,7 +14,28 @@
 #include <string>
 #include <vector>
 
+#include "config/attention_path.h"
+#include "config/checkpoint_policy.h"
+#include "config/optimizer_kind.h"
+#include "config/precision.h"
+
 namespace headroom {
+
+// A leak planted on purpose, for the leak detector (--inject-leak).
+enum class LeakInjection {
+  none,
+  keep_graph,    // losses summed without detaching, backward told to retain the graph
+  keep_outputs,  // each step's logits kept
+};
+const char* leak_injection_name(LeakInjection leak);
+
+// A fault injected on purpose (--inject-oom, cpu): one allocation of one step fails as if out of memory.
+struct OomInjection {
+  int64_t step = 0;          // 1-based optimizer step
+  int64_t nth = 0;           // > 0: fail the n-th allocation of that step
+  int64_t above_bytes = -1;  // >= 0: fail its first allocation larger than this
+  std::string text() const;  // as given: "2:150", "3:above:1048576"
+};
 
 struct RunConfig {
   std::string model = "tiny";
@@ -25,18 +48,18 @@ struct RunConfig {
   double lr = 3e-3;
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   int64_t warmup = -1;        // steps; -1: 5% of --steps (at least 1)
-  std::string optimizer = "adamw";
+  OptimizerKind optimizer = OptimizerKind::adamw;
   double weight_decay = -1;  // -1: 0.1 for adamw, 0 for the others
   double grad_clip = 1.0;    // max global grad norm; 0 turns clipping off
   uint64_t seed = 1234;
   std::string device = "auto";
-  std::string attention = "flash";
-  std::string precision = "fp32";
-  std::string checkpointing = "none";
-  std::string memory_budget;     // size text; empty: none. cpu: a simulated device; cuda: a cap
-  std::string memory_snapshot;   // cuda: write PyTorch's memory snapshot pickle here at the end
-  std::string inject_oom;        // cpu fault injection: "STEP:N" (N-th allocation) or "STEP:above:SIZE"
-  std::string inject_leak;       // planted leak: "keep-graph" or "keep-outputs"
+  AttentionPath attention = AttentionPath::flash;
+  Precision precision = Precision::fp32;
+  CheckpointPolicy checkpointing;
+  std::optional<int64_t> memory_budget;  // bytes; none: the device's own. cpu: a simulated device; cuda: a cap
+  std::string memory_snapshot;           // cuda: write PyTorch's memory snapshot pickle here at the end (and on OOM)
+  std::optional<OomInjection> inject_oom;
+  LeakInjection inject_leak = LeakInjection::none;
   std::string metrics;           // JSONL path
   std::string checkpoint;        // directory
   int64_t checkpoint_every = 0;  // steps; 0: only at the end
@@ -44,7 +67,7 @@ struct RunConfig {
   std::string resume;            // directory
   int64_t eval_every = 0;        // steps; 0: only at the end
   int64_t eval_rows = 64;        // held-out windows per evaluation; 0: none
-  std::string plan;              // "auto": choose the fastest plan that fits before training (cli/plan)
+  bool plan_auto = false;        // --plan auto: choose the fastest plan that fits before training
   bool no_guard = false;         // OOM guard off: an OOM ends the run
   // cuda: tag allocations with their step and phase so that TrainSummary::surviving names leak
   // sites (the doctor's leak check; a little cost per allocation). Not a flag; cpu always tags.
@@ -54,14 +77,8 @@ struct RunConfig {
 
   int64_t warmup_steps() const;
   double weight_decay_value() const;
-  std::optional<int64_t> budget_bytes() const;  // parsed memory_budget
-
-  struct OomInjection {
-    int64_t step = 0;          // 1-based optimizer step
-    int64_t nth = 0;           // > 0: fail the n-th allocation of that step
-    int64_t above_bytes = -1;  // >= 0: fail its first allocation larger than this
-  };
-  std::optional<OomInjection> oom_injection() const;  // parsed inject_oom
+  // The last step this process runs: --stop-at when given, else --steps.
+  int64_t end_step() const { return stop_at > 0 ? stop_at : steps; }
 };
 
 // One setting. kind says how its text is read; `set` parses and stores it, throwing Error with the
@@ -79,6 +96,9 @@ const std::vector<RunField>& run_fields();
 // Applies a TOML file's settings to `config`. Throws Error on a parse error (with line and column),
 // an unknown key (listing the accepted ones) or a bad value.
 void apply_toml_file(RunConfig& config, const std::string& path);
+
+// Parses --inject-oom's text; throws Error naming the accepted forms.
+OomInjection parse_oom_injection(const std::string& text);
 
 // `config` as a short measuring run of `steps` steps: no OOM guard, no evaluation, no progress, no
 // outputs (metrics, checkpoints, snapshot), no resume, stop-at, plan or injected OOM. What it

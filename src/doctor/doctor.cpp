@@ -2,18 +2,17 @@
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
-#include <stdlib.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <map>
 
 #include "device/cuda_adapter.h"
 #include "device/device.h"
 #include "memory/oom_report.h"
+#include "plan/levers.h"
+#include "plan/oom_advice.h"
 #include "train/static_graph.h"
 #include "train/step_timing.h"
 #include "train/trainer.h"
@@ -24,84 +23,43 @@
 namespace headroom {
 namespace {
 
-// A file name in a fresh private directory under /tmp, removed with it.
-class ScratchFile {
- public:
-  explicit ScratchFile(const std::string& name) {
-    char dir[] = "/tmp/headroom-doctor-XXXXXX";
-    if (::mkdtemp(dir) == nullptr) fail("doctor: cannot create a scratch directory under /tmp");
-    dir_ = dir;
-    path_ = dir_ + "/" + name;
-  }
-  ~ScratchFile() {
-    std::remove(path_.c_str());
-    ::rmdir(dir_.c_str());
-  }
-  ScratchFile(const ScratchFile&) = delete;
-  ScratchFile& operator=(const ScratchFile&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string dir_, path_;
-};
-
 struct TrialRun {
   bool fits = false;
   int64_t peak = 0;
   double first_step_seconds = 0;
   OomReport oom;
   Breakdown breakdown;  // at the last step's peak (fitted runs)
-  TrainSummary summary;
+  TrainResult result;
   std::vector<PhasePoint> timeline;
-  std::vector<StepLive> live_series;
 };
 
 // `capped`: under the budget (an OOM ends it early, its figures a lower bound); otherwise on the
 // machine's own memory (cpu), so that the peak is the whole step's.
 TrialRun run_trial(const RunConfig& config, int64_t steps, bool capped = true, const std::string& snapshot = "") {
   RunConfig c = as_trial(config, steps);
-  if (!capped) c.memory_budget.clear();
+  if (!capped) c.memory_budget.reset();
   c.memory_snapshot = snapshot;
-  ScratchFile metrics("metrics.jsonl");
-  c.metrics = metrics.path();
   TrialRun t;
-  try {
-    t.summary = train(c);
-    t.fits = true;
-    t.peak = t.summary.peak_bytes;
-    t.first_step_seconds = t.summary.step_seconds.empty() ? 0 : t.summary.step_seconds.front();
-  } catch (const OutOfMemory& e) {
-    t.oom = e.report();
-    t.peak = t.oom.in_use + std::max<int64_t>(0, t.oom.requested);
-  }
-  std::ifstream in(metrics.path());
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto j = nlohmann::json::parse(line);
-    const int64_t step = j.at("step").get<int64_t>();
-    // The live bytes after each step, from the metrics: there even when a later step ran out.
-    const int64_t step_in = j["phases"].contains("data") ? j["phases"]["data"].value("live_in", int64_t{0}) : 0;
-    t.live_series.push_back({step, j.value("live_bytes", int64_t{0}), j.value("peak_bytes", int64_t{0}) - step_in});
+  t.result = train(c);
+  t.fits = t.result.fits();
+  t.peak = t.result.peak_or_failure_bytes();
+  if (t.result.oom) t.oom = *t.result.oom;
+  if (!t.result.steps.empty()) t.first_step_seconds = t.result.steps.front().seconds;
+  for (const StepRecord& rec : t.result.steps) {
     for (Phase p : kStepPhases) {
-      const std::string name(phase_name(p));
-      if (!j["phases"].contains(name)) continue;
-      const auto& ph = j["phases"][name];
-      t.timeline.push_back({step, name, ph.value("live_in", int64_t{0}), ph.value("peak", int64_t{0}),
-                            ph.value("live_out", int64_t{0})});
-      if (name == j.value("peak_phase", std::string()) && ph.contains("breakdown")) {
-        const auto& b = ph["breakdown"];
-        t.breakdown = {b.value("weights", int64_t{0}), b.value("gradients", int64_t{0}),
-                       b.value("optimizer", int64_t{0}), b.value("activations", int64_t{0}),
-                       b.value("other", int64_t{0})};
-      }
+      const PhaseMemory& m = rec.memory.phases[static_cast<size_t>(p) - 1];
+      if (!m.seen) continue;
+      t.timeline.push_back({rec.step, std::string(phase_name(p)), m.live_in, m.peak, m.live_out});
+      if (p == rec.memory.peak_phase) t.breakdown = m.at_peak;
     }
   }
   return t;
 }
 
 std::string describe_run(const RunConfig& c) {
-  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}", c.batch, c.accum, c.precision,
-                     c.checkpointing, c.attention, c.optimizer);
+  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}", c.batch, c.accum,
+                     precision_name(c.precision), c.checkpointing.name(), attention_path_name(c.attention),
+                     optimizer_name(c.optimizer));
 }
 
 // The largest micro-batch (at most the configured one) the estimator says fits, keeping the
@@ -146,7 +104,7 @@ LeverTrial static_graph_trial(const RunConfig& reference, int64_t budget) {
   LeverTrial l{"static graph", "CUDA graph of fwd+bwd", true, false, 0, 0, 0, ""};
   constexpr int64_t kSteps = 4;
   RunConfig c = as_trial(reference, kSteps);
-  c.memory_budget.clear();  // the card's own memory: both peaks are real ones, compared with the budget
+  c.memory_budget.reset();  // the card's own memory: both peaks are real ones, compared with the budget
   try {
     const StaticGraphTrial t = measure_static_graph(c, kSteps);
     if (!t.captured) {
@@ -186,7 +144,7 @@ RunConfig doctor_default() {
   c.seq = 128;
   c.batch = 16;
   c.accum = 1;
-  c.memory_budget = "140MiB";
+  c.memory_budget = int64_t{140} << 20;
   return c;
 }
 
@@ -198,7 +156,7 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
   };
   DoctorReport r;
   RunConfig cfg = given;
-  cfg.memory_budget = std::to_string(budget);
+  cfg.memory_budget = budget;
   r.config = cfg;
   r.budget = budget;
   r.device = resolve_device(cfg.device).str();
@@ -215,7 +173,9 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
   if (r.oom) {
     r.oom_phase = std::string(phase_name(base.oom.phase));
     r.oom_step = base.oom.step;
-    r.oom_text = base.oom.to_text();
+    OomReport report = base.oom;
+    report.advice = oom_advice(report, as_trial(cfg, 3));
+    r.oom_text = report.to_text();
     r.measured = base.oom.breakdown;
   }
   r.estimate = estimate(model, train_spec(cfg));
@@ -247,13 +207,13 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
   RunConfig leak_config = reference;
   leak_config.leak_origins = true;  // cuda: the allocator tags each allocation with its step and phase
   const TrialRun leak_trial = run_trial(leak_config, 12, !free_trials);
-  r.leak = judge_growth(leak_trial.live_series);
+  r.leak = judge_growth(leak_trial.result.live_series());
   if (!leak_trial.fits) {
     r.leak.reason += fmt::format("; the run ran out of memory in step {} of 12{}", leak_trial.oom.step,
                                  r.leak.detected ? ", as the growth predicts" : "");
   }
   if (leak_trial.fits) {
-    if (r.leak.detected) r.leak.sites = leak_trial.summary.surviving;
+    if (r.leak.detected) r.leak.sites = leak_trial.result.summary.surviving;
     if (reference_seconds == 0) {
       reference_seconds = leak_trial.first_step_seconds;
       r.reference = describe_run(reference);
@@ -273,64 +233,24 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
   }
 
   // (3-8) Each applicable lever, tried for real from the configuration as given.
-  struct Change {
-    std::string lever, setting;
-    std::function<void(RunConfig&)> apply;
-    std::string note;
-  };
-  std::vector<Change> changes;
-  for (int64_t div : {2, 4}) {
-    if (cfg.batch / div >= 1 && cfg.batch % div == 0) {
-      const int64_t m = cfg.batch / div;
-      changes.push_back({"accumulation", fmt::format("micro-batch {} x accum {}", m, cfg.accum * div),
-                         [m, div](RunConfig& c) {
-                           c.batch = m;
-                           c.accum *= div;
-                         },
-                         "same global batch, same update"});
-    }
-  }
-  for (const char* p : {"bf16-mixed", "fp16-mixed", "bf16"}) {
-    if (cfg.precision == p) continue;
-    changes.push_back({"precision", p, [p](RunConfig& c) { c.precision = p; },
-                       std::string(p) == "bf16" ? "weights, gradients and state in bf16 too" : "autocast"});
-  }
-  for (const char* k : {"selective", "every:2", "full"}) {
-    if (cfg.checkpointing == k) continue;
-    changes.push_back({"checkpointing", k, [k](RunConfig& c) { c.checkpointing = k; }, "recompute in backward"});
-  }
-  const char* other_attention = cfg.attention == "flash" ? "math" : "flash";
-  changes.push_back({"attention", other_attention, [other_attention](RunConfig& c) { c.attention = other_attention; },
-                     cfg.attention == "flash" ? "the explicit path keeps the seq x seq scores" : "fused SDPA"});
-  for (const char* o : {"adafactor", "sgd", "adam", "adamw"}) {
-    if (cfg.optimizer == o) continue;
-    std::string note = "changes the training dynamics";
-    if ((std::string(o) == "adam" && cfg.optimizer == "adamw") ||
-        (std::string(o) == "adamw" && cfg.optimizer == "adam")) {
-      note = "the same state as " + cfg.optimizer + " (two moments per parameter): only the update differs";
-    } else if ((std::string(o) == "adam" || std::string(o) == "adamw") && cfg.optimizer != "adam" &&
-               cfg.optimizer != "adamw") {
-      continue;
-    }
-    changes.push_back({"optimizer", o, [o](RunConfig& c) { c.optimizer = o; }, note});
-  }
+  const std::vector<LeverChange> changes = lever_changes(cfg, model.num_layers);
   int index = 0;
   std::map<Precision, double> precision_ratio;  // step time against the configuration's precision
-  for (const Change& ch : changes) {
-    say(fmt::format("3/5 lever {}/{}: {} {}", ++index, changes.size(), ch.lever, ch.setting));
+  for (const LeverChange& ch : changes) {
+    say(fmt::format("3/5 lever {}/{}: {} {}", ++index, changes.size(), lever_name(ch.lever), ch.setting));
     RunConfig c = cfg;
     ch.apply(c);
     const TrialRun t = run_trial(c, 1, !free_trials);
     LeverTrial lt;
-    lt.lever = ch.lever;
+    lt.lever = lever_name(ch.lever);
     lt.setting = ch.setting;
     lt.fits = t.fits && t.peak <= budget;
     lt.peak_bytes = t.peak;
     lt.saving_bytes = r.measured_peak - t.peak;
     lt.step_time_ratio = t.fits && reference_seconds > 0 ? t.first_step_seconds / reference_seconds : 0;
     lt.note = ch.note + (t.fits ? "" : "; out of memory (peak: in use at the failure plus the request)");
-    if (r.measured_whole_step && ch.lever == "precision" && t.fits && lt.step_time_ratio > 0)
-      precision_ratio[parse_precision(ch.setting)] = lt.step_time_ratio;
+    if (r.measured_whole_step && ch.lever == Lever::precision && t.fits && lt.step_time_ratio > 0)
+      precision_ratio[c.precision] = lt.step_time_ratio;
     r.levers.push_back(lt);
   }
   if (r.measured_whole_step) {
@@ -370,26 +290,14 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
   pr.base = cfg;
   pr.global_batch = global;
   pr.budget = budget;
-  PlanResult plans = fitting_plans(pr);
+  // The step-time model: calibrated in the configuration's precision; other precisions scaled by
+  // what their lever trials measured (or timed now, when a trial did not run to the end).
+  RunConfig timing = cfg;
+  timing.memory_budget.reset();
+  const PlanResult plans = plan_with_calibration(
+      pr, [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); },
+      precision_ratio, [&](const std::string& line) { say("4/5 " + line); });
   if (!plans.plans.empty()) {
-    // The step-time model: calibrated in the configuration's precision; other precisions scaled by
-    // what their lever trials measured (or timed now, when a trial did not run to the end).
-    RunConfig timing = cfg;
-    timing.memory_budget.clear();
-    const Precision own = parse_precision(cfg.precision);
-    std::vector<Precision> untimed = {own};
-    for (Precision p : precisions_of(plans)) {
-      if (p != own && precision_ratio.count(p) == 0) untimed.push_back(p);
-    }
-    CostModel cost = CostModel::flops_only();
-    try {
-      cost = CostModel::calibrate(
-          timing, untimed, std::min<int64_t>(4, global),
-          [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); });
-    } catch (const OutOfMemory&) {
-      say("4/5 calibration ran out of memory; ranking by FLOPs alone");
-    }
-    rank_plans(plans, pr, CostModel::with_ratios(cost, own, precision_ratio));
     r.plan_found = true;
     r.plan = plans.plans.front();
     say(fmt::format("5/5 training the recommended plan for 3 steps under {}", format_bytes(budget)));
@@ -453,9 +361,10 @@ std::string DoctorReport::to_text() const {
   out += "1. What happened\n";
   if (oom) {
     out += fmt::format("   OUT OF MEMORY in {} of step {}:\n", oom_phase, oom_step);
+    // The facts and every category of what was in use (the largest is what to act on).
     std::string text = oom_text;
     size_t pos = 0;
-    for (int i = 0; i < 3 && pos < text.size(); ++i) {
+    for (int i = 0; i < 7 && pos < text.size(); ++i) {
       const size_t nl = text.find('\n', pos);
       out += "     " + text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos) + "\n";
       if (nl == std::string::npos) break;
@@ -504,8 +413,7 @@ std::string DoctorReport::to_text() const {
   }
   out += "\n4. Recommended plan\n";
   if (plan_found) {
-    out += fmt::format("   micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {} ({})\n", plan.batch,
-                       plan.accum, plan.precision, plan.checkpointing, plan.attention, plan.optimizer, plan_note);
+    out += fmt::format("   {} ({})\n", plan.describe(), plan_note);
     out += fmt::format("   predicted peak {}; trained for 3 steps: peak {} of {} — {}\n",
                        format_bytes(plan.predicted_peak_bytes), format_bytes(verified_peak_bytes), format_bytes(budget),
                        plan_verified ? "fits" : "DID NOT FIT");
@@ -515,8 +423,9 @@ std::string DoctorReport::to_text() const {
     out += fmt::format(
         "   run it: headroom train --model {}{} --device {} --seed {} --seq {} --batch {} --accum {} "
         "--precision {} --checkpointing {} --attention {} --optimizer {} --memory-budget {}\n",
-        config.model, flags, config.device, config.seed, config.seq, plan.batch, plan.accum, plan.precision,
-        plan.checkpointing, plan.attention, plan.optimizer, budget);
+        config.model, flags, config.device, config.seed, config.seq, plan.batch, plan.accum,
+        precision_name(plan.precision), plan.checkpointing.name(), attention_path_name(plan.attention),
+        optimizer_name(plan.optimizer), budget);
   } else {
     out += "   " + plan_note + "\n";
   }

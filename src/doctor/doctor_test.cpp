@@ -28,7 +28,7 @@ std::string run_command(const std::string& command) {
 
 TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   const RunConfig cfg = doctor_default();
-  const int64_t budget = *cfg.budget_bytes();
+  const int64_t budget = *cfg.memory_budget;
   const DoctorReport r = run_doctor(cfg, budget, nullptr);
 
   EXPECT_TRUE(r.oom) << "the default's naive setting must not fit";

@@ -160,8 +160,9 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
   html += fmt::format(
       "<p>As given: micro-batch {} × accum {} × seq {}, {}, {}, checkpointing {}, {} attention. "
       "Diagnosed in {:.0f} s.</p>\n",
-      r.config.batch, r.config.accum, r.config.seq, escape(r.config.precision), escape(r.config.optimizer),
-      escape(r.config.checkpointing), escape(r.config.attention), r.seconds);
+      r.config.batch, r.config.accum, r.config.seq, escape(precision_name(r.config.precision)),
+      escape(optimizer_name(r.config.optimizer)), escape(r.config.checkpointing.name()),
+      escape(attention_path_name(r.config.attention)), r.seconds);
   html += "<h2>1. What happened</h2>\n";
   html += r.oom ? fmt::format("<p class=\"bad\" id=\"verdict\">Out of memory in {} of step {}.</p><pre>{}</pre>\n",
                               escape(r.oom_phase), r.oom_step, escape(r.oom_text))
@@ -206,8 +207,8 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
     html += fmt::format(
         "<p id=\"plan\">Micro-batch {} × accum {}, {}, checkpointing {}, {} attention, {} — predicted "
         "peak {}; trained for 3 steps: peak {} of {} (<span class=\"{}\">{}</span>). {}.</p>\n",
-        r.plan.batch, r.plan.accum, escape(r.plan.precision), escape(r.plan.checkpointing), escape(r.plan.attention),
-        escape(r.plan.optimizer), escape(format_bytes(r.plan.predicted_peak_bytes)),
+        r.plan.batch, r.plan.accum, escape(precision_name(r.plan.precision)), escape(r.plan.checkpointing.name()),
+        escape(attention_path_name(r.plan.attention)), escape(optimizer_name(r.plan.optimizer)), escape(format_bytes(r.plan.predicted_peak_bytes)),
         escape(format_bytes(r.verified_peak_bytes)), escape(format_bytes(r.budget)), r.plan_verified ? "good" : "bad",
         r.plan_verified ? "fits" : "did not fit", escape(r.plan_note));
     html += "<p>Memory through each phase of those steps:</p>\n" + timeline_svg(r) + "\n";

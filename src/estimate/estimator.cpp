@@ -12,6 +12,7 @@
 #include "data/embedded.h"
 #include "device/device.h"
 #include "model/causal_lm.h"
+#include "optim/optimizer.h"
 #include "util/error.h"
 #include "util/size.h"
 
@@ -96,7 +97,11 @@ class StepSim {
     Tensor out = make(rows * w.rows, wi.elem, label);
     g_->record({&out}, {xi.buf, wi.buf},
                [this, xi = meta(xi), wi = meta(wi), bi = meta(bi), b](const std::vector<Ref>&) {
-                 std::vector<Emit> e{grad_to(xi), grad_to(wi)};
+                 // The weight's gradient comes back through the transpose: a view, which an input
+                 // buffer cannot add into in place (it matters for a weight used twice: a tied head).
+                 Emit w = grad_to(wi);
+                 w.view = true;
+                 std::vector<Emit> e{grad_to(xi), w};
                  if (b) e.push_back(grad_to(bi));
                  return e;
                });
@@ -273,6 +278,7 @@ class StepSim {
   std::vector<std::string> order_;  // parameter names in registration order
   std::map<const Param*, Tensor>* cache_ = nullptr;
   Ref dataset_;
+  std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
 };
 
 Tensor StepSim::attention_block(int64_t layer, const Tensor& x, const Tensor& cos, const Tensor& sin) {
@@ -591,8 +597,8 @@ void StepSim::setup() {
                              mem_.label("dataset", Category::other, "the corpus in host memory, 1 B per token"));
   }
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
-  const CausalLM shapes(c_, at::TensorOptions().device(at::kMeta).dtype(at::kFloat), 0);
-  for (const auto& np : shapes.parameters()) {
+  shapes_ = std::make_unique<CausalLM>(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0);
+  for (const auto& np : shapes_->parameters()) {
     if (params_.count(np.name) != 0) continue;  // a tied head repeats the embedding
     Param prm;
     prm.rows = np.tensor.size(0);
@@ -607,12 +613,13 @@ void StepSim::setup() {
     params_.emplace(np.name, prm);
     order_.push_back(np.name);
   }
+  // A tied head is the embedding used a second time: two gradients arrive for it per backward.
+  if (c_.tie_word_embeddings) params_.at("embed_tokens.weight").t.slot->uses = 2;
 }
 
 Estimate StepSim::run() {
   setup();
   // Optimizer state, made when the optimizer is constructed (before the first step).
-  std::vector<Ref> state;
   std::string formula;
   const std::string per = fmt::format("{} B", ew_);
   switch (s_.optimizer) {
@@ -630,39 +637,27 @@ Estimate StepSim::run() {
       break;
   }
   const int st = mem_.label("optimizer state", Category::optimizer, formula);
-  int64_t largest = 0;
-  for (const auto& name : order_) {
-    const Param& prm = params_.at(name);
-    const int64_t n = prm.t.numel;
-    largest = std::max(largest, n);
-    switch (s_.optimizer) {
-      case OptimizerKind::sgd: break;
-      case OptimizerKind::momentum: state.push_back(mem_.allocate(n * ew_, st)); break;
-      case OptimizerKind::adam:
-      case OptimizerKind::adamw:
-        state.push_back(mem_.allocate(n * ew_, st));
-        state.push_back(mem_.allocate(n * ew_, st));
-        state.push_back(mem_.allocate(4, st));
-        break;
-      case OptimizerKind::adagrad:
-        state.push_back(mem_.allocate(n * ew_, st));
-        state.push_back(mem_.allocate(4, st));
-        break;
-      case OptimizerKind::adafactor:
-        state.push_back(mem_.allocate(prm.cols > 0 ? (prm.rows + prm.cols) * 4 : n * 4, st));
-        state.push_back(mem_.allocate(4, st));
-        break;
+  const int working = mem_.label("optimizer working memory", Category::optimizer,
+                                 "scratch the optimizer keeps between steps (adafactor: float32, the largest parameter)");
+  // The trainer's own optimizer class, built over the meta-device parameters: its state tensors
+  // are what the trainer allocates, tensor by tensor, and nothing is allocated here.
+  std::vector<Ref> state;
+  {
+    const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, shapes_->parameters(), OptimizerOptions{});
+    for (const NamedTensor& t : real->state()) state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), st));
+    for (const at::Tensor& t : real->working_memory()) {
+      state.push_back(mem_.allocate(static_cast<int64_t>(t.nbytes()), working));
     }
-  }
-  if (s_.optimizer == OptimizerKind::adafactor && largest > 0) {
-    state.push_back(mem_.allocate(largest * 4, mem_.label("optimizer working memory", Category::optimizer,
-                                                          "adafactor's float32 scratch, the largest parameter")));
   }
 
   micro_batch(s_.batch);
   if (s_.accum > 1) micro_batch(s_.batch);  // the second sees the first's gradients
 
   mem_.set_phase(Phase::optimizer);
+  std::array<int64_t, sim::kCategories> at_update{};
+  for (size_t i = 0; i < mem_.labels().size(); ++i) {
+    at_update[static_cast<size_t>(mem_.labels()[i].category)] += mem_.live_under(static_cast<int>(i));
+  }
   {
     const int lbl = mem_.label("optimizer temporaries", Category::temporaries,
                                "gradient-norm partials for clipping, per-matrix factor statistics");
@@ -676,8 +671,13 @@ Estimate StepSim::run() {
     const int lbl = mem_.label("optimizer temporaries", Category::temporaries);
     for (const auto& name : order_) {
       const Param& prm = params_.at(name);
-      if (prm.cols == 0) continue;
-      Ref rows = mem_.allocate(prm.rows * 4, lbl), cols = mem_.allocate(prm.cols * 4, lbl);
+      if (prm.cols > 0) Ref rows = mem_.allocate(prm.rows * 4, lbl), cols = mem_.allocate(prm.cols * 4, lbl);
+      // 2-byte parameters on the CPU: the update's in-place ops mix the float32 moments with the
+      // bf16 gradient and parameter, and the CPU kernels cast to float32 copies first — the
+      // parameter's update (param += update · -alpha) holds two of its size at once.
+      if (ew_ != 4 && !s_.cuda) {
+        Ref upcast = mem_.allocate(prm.t.numel * 4, lbl), result = mem_.allocate(prm.t.numel * 4, lbl);
+      }
     }
   }
   mem_.set_phase(Phase::zero_grad);
@@ -690,6 +690,7 @@ Estimate StepSim::run() {
   e.peak_bytes = peak.bytes;
   e.peak_phase = peak.phase;
   e.phase_peaks = mem_.phase_peaks();
+  e.at_update = at_update;
   const auto& labels = mem_.labels();
   for (size_t i = 0; i < labels.size(); ++i) {
     const int64_t bytes = i < peak.by_label.size() ? peak.by_label[i] : 0;
@@ -765,10 +766,10 @@ TrainSpec train_spec(const RunConfig& cfg) {
   s.batch = cfg.batch;
   s.accum = cfg.accum;
   s.seq = cfg.seq;
-  s.precision = parse_precision(cfg.precision);
-  s.optimizer = parse_optimizer(cfg.optimizer);
-  s.checkpointing = parse_checkpoint_policy(cfg.checkpointing);
-  s.attention = parse_attention_path(cfg.attention);
+  s.precision = cfg.precision;
+  s.optimizer = cfg.optimizer;
+  s.checkpointing = cfg.checkpointing;
+  s.attention = cfg.attention;
   // An estimate is for before the GPU is rented: --device cuda needs none here.
   s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
   s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);

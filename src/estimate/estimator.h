@@ -24,9 +24,9 @@
 #include "config/precision.h"
 #include "estimate/sim.h"
 #include "memory/phase.h"
-#include "model/attention.h"
-#include "model/checkpointing.h"
-#include "optim/optimizer.h"
+#include "config/attention_path.h"
+#include "config/checkpoint_policy.h"
+#include "config/optimizer_kind.h"
 
 namespace headroom {
 
@@ -57,6 +57,9 @@ struct Estimate {
   std::array<int64_t, sim::kCategories> breakdown{};  // at the peak, by category
   std::vector<EstimateItem> items;                    // at the peak, largest first
   std::array<int64_t, 6> phase_peaks{};               // indexed by Phase
+  // Live bytes by category when the optimizer phase begins: the weights, the whole gradients and
+  // the optimizer's state as the update finds them.
+  std::array<int64_t, sim::kCategories> at_update{};
 
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
   // What the trainer's monitor counts as activations: everything but weights, gradients, optimizer

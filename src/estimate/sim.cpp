@@ -111,13 +111,37 @@ void Graph::record(const std::vector<const Tensor*>& outputs, std::vector<Ref> s
   nodes_.push_back(std::move(n));
 }
 
+namespace {
+
+// The input buffer's sum: `held` takes `incoming` in place when it is a buffer of its own, else the
+// out-of-place sum replaces it (allocated while both are still alive).
+void add_into(Memory& mem, Ref& held, bool& held_is_view, const GradSlot& s, int label) {
+  if (held.use_count() > 1 || held_is_view) {
+    held = mem.allocate(s.numel * s.elem, label);
+    held_is_view = false;
+  }
+}
+
+}  // namespace
+
 void Graph::accumulate(Emit e) {
   if (!e.to || !e.grad) return;
   GradSlot& s = *e.to;
+  if (s.param_label >= 0 && s.uses > 1) {
+    // A parameter used more than once: its gradients gather in the input buffer first.
+    if (!s.pending) {
+      s.pending = std::move(e.grad);
+      s.pending_is_view = e.view;
+    } else {
+      add_into(mem_, s.pending, s.pending_is_view, s, temporaries_label());
+    }
+    if (++s.arrived < s.uses) return;
+    s.arrived = 0;
+    e.grad = std::move(s.pending);
+    s.pending_is_view = false;
+  }
   if (s.grad) {
-    // Summed in place into a buffer nobody else holds (the new one goes); a shared one is replaced
-    // by the out-of-place sum.
-    if (s.grad.use_count() > 1) s.grad = mem_.allocate(s.numel * s.elem, temporaries_label());
+    add_into(mem_, s.grad, s.grad_is_view, s, s.param_label >= 0 ? s.param_label : temporaries_label());
     return;
   }
   if (s.param_label >= 0) {
@@ -127,8 +151,10 @@ void Graph::accumulate(Emit e) {
     } else {
       mem_.relabel(e.grad, s.param_label);
     }
+    e.view = false;
   }
   s.grad = std::move(e.grad);
+  s.grad_is_view = e.view;
 }
 
 void Graph::backward(const Tensor& root, Ref seed) {
@@ -149,7 +175,10 @@ void Graph::backward(const Tensor& root, Ref seed) {
     // The node's inputs (incoming gradients) and saved tensors go once it has run.
     incoming.clear();
     for (const SlotPtr& s : n.outputs) {
-      if (s->param_label < 0) s->grad.reset();
+      if (s->param_label < 0) {
+        s->grad.reset();
+        s->grad_is_view = false;
+      }
     }
     n.saved.clear();
     n.backward = nullptr;

@@ -10,6 +10,7 @@
 // (bytes per label) fall out of the replay.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <functional>
@@ -67,7 +68,12 @@ class Memory {
   int label(const std::string& name, Category category, const std::string& formula = "");
   Ref allocate(int64_t bytes, int label);
   void relabel(const Ref& buffer, int label);
-  void set_phase(Phase phase) { phase_ = phase; }
+  // A phase's peak is at least what is live when it begins (zero_grad allocates nothing).
+  void set_phase(Phase phase) {
+    phase_ = phase;
+    auto& peak = phase_peaks_[static_cast<size_t>(phase)];
+    peak = std::max(peak, live_);
+  }
   // Allocations are rounded up to a multiple of this (PyTorch's CUDA caching allocator: 512 bytes);
   // what rounding adds is counted under `label`.
   void set_rounding(int64_t granule, int label) {
@@ -108,12 +114,22 @@ class Memory {
   std::array<int64_t, 6> phase_peaks_{};
 };
 
-// Where a tensor's gradient gathers during backward.
+// Where a tensor's gradient gathers during backward. As in the autograd engine, the gradients that
+// arrive for a tensor are first summed in its node's input buffer: the first is held, each later
+// one added into it in place when the held buffer is its own (not shared, not a view of another
+// tensor), else summed out of place into a new buffer. A parameter's buffer is then handed to
+// AccumulateGrad once all its uses have arrived: taken over as .grad (or copied, when shared) the
+// first time, added into .grad after that.
 struct GradSlot {
-  Ref grad;
+  Ref grad;   // the input buffer; a parameter's .grad
+  bool grad_is_view = false;
   int64_t numel = 0;
   int elem = 4;
   int param_label = -1;  // >= 0: a parameter's .grad, kept across micro-batches under this label
+  int uses = 1;          // parameters: gradients that arrive per backward (a tied embedding: 2)
+  int arrived = 0;
+  Ref pending;           // parameters used more than once: their input buffer until all arrive
+  bool pending_is_view = false;
 };
 using SlotPtr = std::shared_ptr<GradSlot>;
 
@@ -128,10 +144,12 @@ struct Tensor {
   bool requires_grad() const { return slot != nullptr; }
 };
 
-// A gradient a node's backward sends to one of its inputs.
+// A gradient a node's backward sends to one of its inputs. `view`: it is a view of another tensor
+// (a transposed matmul result), which the engine cannot add into in place.
 struct Emit {
   SlotPtr to;
   Ref grad;
+  bool view = false;
 };
 
 class Graph {

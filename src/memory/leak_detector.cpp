@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "util/size.h"
+#include "util/stats.h"
 
 namespace headroom {
 
@@ -24,17 +25,6 @@ nlohmann::json LeakVerdict::to_json() const {
           {"monotonic", monotonic}, {"steps_used", steps_used},
           {"reason", reason},       {"sites", s}};
 }
-
-namespace {
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-}  // namespace
 
 LeakVerdict judge_growth(const std::vector<StepLive>& all, const LeakOptions& o) {
   LeakVerdict v;

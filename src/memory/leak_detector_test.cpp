@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "device/cuda_adapter.h"
-#include "model/test_models.h"
+#include "testing/test_models.h"
 #include "util/error.h"
 #include "train/trainer.h"
 
@@ -36,7 +36,7 @@ TEST(LeakDetector, SteadyGrowthIsALeakAndNoiseIsNot) {
   EXPECT_NE(few.reason.find("needed for a verdict"), std::string::npos);
 }
 
-RunConfig leak_run(const std::string& leak) {
+RunConfig leak_run(LeakInjection leak) {
   const auto models = testing::shrunk_models();
   RunConfig c;
   c.model = models[1].preset;  // llama, shrunk
@@ -54,8 +54,9 @@ RunConfig leak_run(const std::string& leak) {
 TEST(LeakDetector, FindsThePlantedLeaksWithTheirSites) {
   const int64_t tokens = 2 * 32, vocab = 256;
   {
-    const TrainSummary s = train(leak_run("keep-outputs"));
-    const LeakVerdict v = judge_growth(s.live_series);
+    const TrainResult run = train(leak_run(LeakInjection::keep_outputs));
+    const TrainSummary& s = run.summary;
+    const LeakVerdict v = judge_growth(run.live_series());
     EXPECT_TRUE(v.detected) << v.reason;
     // One float32 logits tensor a step: B·T·vocab·4 bytes.
     EXPECT_NEAR(v.bytes_per_step, static_cast<double>(tokens * vocab * 4), 1.0) << v.reason;
@@ -68,8 +69,9 @@ TEST(LeakDetector, FindsThePlantedLeaksWithTheirSites) {
         << s.surviving[0].description;
   }
   {
-    const TrainSummary s = train(leak_run("keep-graph"));
-    const LeakVerdict v = judge_growth(s.live_series);
+    const TrainResult run = train(leak_run(LeakInjection::keep_graph));
+    const TrainSummary& s = run.summary;
+    const LeakVerdict v = judge_growth(run.live_series());
     EXPECT_TRUE(v.detected) << v.reason;
     // The whole graph's saved activations, more than the logits alone.
     EXPECT_GT(v.bytes_per_step, static_cast<double>(tokens * vocab * 4)) << v.reason;
@@ -81,7 +83,7 @@ TEST(LeakDetector, FindsThePlantedLeaksWithTheirSites) {
 // On cuda the sites come from the caching allocator's records, tagged with step and phase. Without a
 // GPU, what can be checked is that a cuda run is refused with the reason.
 TEST(LeakDetector, FindsThePlantedLeakOnCudaFromTheCachingAllocatorsRecords) {
-  RunConfig c = leak_run("keep-outputs");
+  RunConfig c = leak_run(LeakInjection::keep_outputs);
   c.device = "cuda";
   c.leak_origins = true;
   if (!cuda_available()) {
@@ -89,30 +91,32 @@ TEST(LeakDetector, FindsThePlantedLeakOnCudaFromTheCachingAllocatorsRecords) {
     return;
   }
   const int64_t tokens = 2 * 32, vocab = 256;
-  const TrainSummary s = train(c);
-  EXPECT_TRUE(judge_growth(s.live_series).detected);
+  const TrainResult run = train(c);
+  const TrainSummary& s = run.summary;
+  EXPECT_TRUE(judge_growth(run.live_series()).detected);
   ASSERT_FALSE(s.surviving.empty());
   EXPECT_EQ(s.surviving[0].bytes, tokens * vocab * 4);  // as requested, before the allocator rounds
   EXPECT_EQ(s.surviving[0].phase, "forward");
   EXPECT_EQ(s.surviving[0].count, 10);  // steps 3..12
-  c.inject_leak.clear();
-  const TrainSummary clean = train(c);
+  c.inject_leak = LeakInjection::none;
+  const TrainSummary clean = train(c).summary;
   EXPECT_TRUE(clean.surviving.empty()) << clean.surviving[0].description;
 }
 
 TEST(LeakDetector, NoFalseAlarmOnCleanRunsOfEveryFamilyAndPrecision) {
   for (const auto& m : testing::shrunk_models()) {
-    for (const char* precision : {"fp32", "bf16-mixed", "fp16-mixed", "bf16"}) {
-      RunConfig c = leak_run("");
+    for (Precision precision : {Precision::fp32, Precision::bf16_mixed, Precision::fp16_mixed, Precision::bf16}) {
+      RunConfig c = leak_run(LeakInjection::none);
       c.model = m.preset;
       c.overrides = m.overrides;
       c.precision = precision;
       c.seq = 16;
       c.steps = 8;
-      const TrainSummary s = train(c);
-      const LeakVerdict v = judge_growth(s.live_series);
-      EXPECT_FALSE(v.detected) << m.label << " " << precision << ": " << v.reason;
-      EXPECT_TRUE(s.surviving.empty()) << m.label << " " << precision << ": " << s.surviving[0].description;
+      const TrainResult run = train(c);
+      const LeakVerdict v = judge_growth(run.live_series());
+      const char* name = precision_name(precision);
+      EXPECT_FALSE(v.detected) << m.label << " " << name << ": " << v.reason;
+      EXPECT_TRUE(run.summary.surviving.empty()) << m.label << " " << name << ": " << run.summary.surviving[0].description;
     }
   }
 }

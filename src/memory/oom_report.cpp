@@ -22,7 +22,9 @@ nlohmann::json OomReport::to_json() const {
           {"message", message},
           {"advice", advice},
           {"live_before_step_bytes", live_before_step},
-          {"live_after_cleanup_bytes", live_after_cleanup}};
+          {"live_after_cleanup_bytes", live_after_cleanup},
+          {"micro_batch", micro_batch},
+          {"during_update", during_update}};
 }
 
 std::string OomReport::to_text() const {

@@ -1,12 +1,11 @@
-// OutOfMemory — a training run that ran out of device memory and could not continue, with the
+// OomReport — a training run that ran out of device memory and could not continue, with the
 // diagnosis: where (step, phase), what was asked for, what was in use and of what it consisted.
-// The CLI prints it and exits with kExitOom.
+// The trainer returns it as a value (TrainResult::oom); the CLI prints it and exits with kExitOom.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 
 #include "memory/memory_monitor.h"
@@ -25,8 +24,11 @@ struct OomReport {
   Breakdown breakdown;     // of in_use, at the failing allocation (during setup: weights = what they need)
   int64_t live_before_step = 0;    // live bytes when the step began
   int64_t live_after_cleanup = 0;  // after the failed step's memory was released
+  int64_t micro_batch = 0;         // the micro-batch of the failed attempt
+  bool during_update = false;      // in or after the optimizer update: the step could not be re-run
+  bool guard_on = true;            // false: --no-guard, the first OOM ended the run
   std::string message;     // the allocator's own one-line message
-  std::string advice;      // what would make it fit, when known
+  std::string advice;      // what would make it fit, when known (composed above the trainer: plan/oom_advice.h)
 
   nlohmann::json to_json() const;
   // Several lines for a person: the facts, the breakdown, the largest category.
@@ -35,14 +37,5 @@ struct OomReport {
 
 // The size in "Tried to allocate 20.00 MiB" of PyTorch's CUDA OOM message; 0 when absent.
 int64_t requested_bytes_of(const std::string& message);
-
-class OutOfMemory : public std::runtime_error {
- public:
-  explicit OutOfMemory(OomReport report) : std::runtime_error(report.message), report_(std::move(report)) {}
-  const OomReport& report() const { return report_; }
-
- private:
-  OomReport report_;
-};
 
 }  // namespace headroom

@@ -11,15 +11,10 @@
 
 #include <cstdint>
 #include <optional>
-#include <string>
+
+#include "config/attention_path.h"
 
 namespace headroom {
-
-enum class AttentionPath { flash, math };
-
-const char* attention_path_name(AttentionPath path);
-// Throws Error naming the accepted values.
-AttentionPath parse_attention_path(const std::string& text);
 
 // q: [B, H, T, D]; k, v: [B, Hkv, T, D] with H a multiple of Hkv (grouped-query attention).
 // A sliding window w lets position t see positions (t-w, t]. Returns [B, H, T, D].

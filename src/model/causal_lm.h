@@ -17,13 +17,9 @@
 #include "model/attention.h"
 #include "model/checkpointing.h"
 #include "model/rotary.h"
+#include "util/named_tensor.h"
 
 namespace headroom {
-
-struct NamedTensor {
-  std::string name;
-  at::Tensor tensor;
-};
 
 struct ForwardOptions {
   AttentionPath attention = AttentionPath::flash;

@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-#include "model/test_models.h"
+#include "testing/test_models.h"
 
 namespace headroom {
 namespace {

@@ -5,45 +5,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "device/autocast_adapter.h"
-#include "util/error.h"
 
 namespace headroom {
-
-std::string CheckpointPolicy::name() const {
-  switch (kind) {
-    case Kind::none: return "none";
-    case Kind::selective: return "selective";
-    case Kind::every: return "every:" + std::to_string(every);
-    case Kind::full: return "full";
-  }
-  return "?";
-}
-
-CheckpointPolicy parse_checkpoint_policy(const std::string& text) {
-  CheckpointPolicy p;
-  if (text == "none") return p;
-  if (text == "selective") {
-    p.kind = CheckpointPolicy::Kind::selective;
-    return p;
-  }
-  if (text == "full") {
-    p.kind = CheckpointPolicy::Kind::full;
-    return p;
-  }
-  if (text.rfind("every:", 0) == 0) {
-    try {
-      size_t used = 0;
-      p.every = std::stoll(text.substr(6), &used);
-      if (used == text.size() - 6 && p.every >= 1) {
-        p.kind = CheckpointPolicy::Kind::every;
-        return p;
-      }
-    } catch (const std::exception&) {
-    }
-  }
-  fail("--checkpointing '{}': accepted: none, selective (attention only), full (every layer), every:K "
-       "(layers 0, K, 2K, ...; K >= 1)", text);
-}
 
 namespace {
 

@@ -15,26 +15,6 @@ int64_t Optimizer::state_bytes() const {
   return storage_bytes(tensors);
 }
 
-const char* optimizer_name(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::sgd: return "sgd";
-    case OptimizerKind::momentum: return "momentum";
-    case OptimizerKind::adam: return "adam";
-    case OptimizerKind::adamw: return "adamw";
-    case OptimizerKind::adagrad: return "adagrad";
-    case OptimizerKind::adafactor: return "adafactor";
-  }
-  return "?";
-}
-
-OptimizerKind parse_optimizer(const std::string& text) {
-  for (auto k : {OptimizerKind::sgd, OptimizerKind::momentum, OptimizerKind::adam, OptimizerKind::adamw,
-                 OptimizerKind::adagrad, OptimizerKind::adafactor}) {
-    if (text == optimizer_name(k)) return k;
-  }
-  fail("--optimizer '{}': accepted: sgd, momentum, adam, adamw, adagrad, adafactor", text);
-}
-
 std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<NamedTensor>& params,
                                           const OptimizerOptions& options) {
   switch (kind) {

@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "model/causal_lm.h"
+#include "config/optimizer_kind.h"
+#include "util/named_tensor.h"
 
 namespace headroom {
 
@@ -35,12 +36,6 @@ class Optimizer {
   // Bytes held by state(), shared storage counted once.
   int64_t state_bytes() const;
 };
-
-enum class OptimizerKind { sgd, momentum, adam, adamw, adagrad, adafactor };
-
-const char* optimizer_name(OptimizerKind kind);
-// Throws Error naming the accepted values.
-OptimizerKind parse_optimizer(const std::string& text);
 
 // Weight decay applies to matrices only, never to biases and norm weights. Its meaning follows
 // PyTorch's optimizer of the same name: decoupled (p *= 1 - lr * wd) for adamw and adafactor, an L2

@@ -62,8 +62,8 @@ CostModel CostModel::with_ratios(const CostModel& anchor, Precision measured,
   return m;
 }
 
-CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
-                               const StepTimer& time_step, int timed) {
+std::optional<CostModel> CostModel::calibrate(const RunConfig& base, const std::vector<Precision>& precisions,
+                                             int64_t larger, const StepTimer& time_step, int timed) {
   CostModel m;
   if (precisions.empty()) return m;
   const ModelConfig model = load_model_config(base.model, base.overrides);
@@ -72,11 +72,14 @@ CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precisio
   // larger batch only and keep its split between fixed and per-FLOP cost, scaled.
   Precision anchor = precisions.front();
   for (Precision p : precisions) {
-    if (precision_name(p) == base.precision) anchor = p;
+    if (p == base.precision) anchor = p;
   }
   const double f1 = micro_batch_flops(model, 1, base.seq, {}, AttentionPath::flash);
   const double f2 = micro_batch_flops(model, larger, base.seq, {}, AttentionPath::flash);
-  const double t1 = time_step(anchor, 1, timed + 2), t2 = time_step(anchor, larger, timed + 2);
+  const std::optional<double> m1 = time_step(anchor, 1, timed + 2);
+  const std::optional<double> m2 = m1 ? time_step(anchor, larger, timed + 2) : std::nullopt;
+  if (!m2) return std::nullopt;
+  const double t1 = *m1, t2 = *m2;
   // (An anchor measured with more steps: the split between fixed and per-FLOP cost decides between
   // many small micro-batches and few large ones.)
   StepTimeFit fit;
@@ -90,7 +93,9 @@ CostModel CostModel::calibrate(const RunConfig& base, const std::vector<Precisio
   m.fits_[anchor] = fit;
   for (Precision p : precisions) {
     if (p == anchor) continue;
-    const double scale = time_step(p, larger, timed) / t2;
+    const std::optional<double> t = time_step(p, larger, timed);
+    if (!t) return std::nullopt;
+    const double scale = *t / t2;
     m.fits_[p] = {fit.seconds_per_micro_batch * scale, fit.seconds_per_flop * scale};
   }
   return m;

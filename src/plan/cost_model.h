@@ -13,14 +13,13 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "config/model_config.h"
 #include "config/precision.h"
 #include "config/run_config.h"
-#include "model/attention.h"
-#include "model/checkpointing.h"
 
 namespace headroom {
 
@@ -35,14 +34,14 @@ struct StepTimeFit {
 
 class CostModel {
  public:
-  // Seconds of a real step at a micro-batch in a precision, timed over some steps
-  // (train/step_timing.h provides one).
-  using StepTimer = std::function<double(Precision precision, int64_t rows, int timed_steps)>;
+  // Seconds of a real step at a micro-batch in a precision, timed over some steps; nullopt when the
+  // step ran out of memory (train/step_timing.h provides one).
+  using StepTimer = std::function<std::optional<double>(Precision precision, int64_t rows, int timed_steps)>;
   // Times `base`'s model: in base's precision (or the first asked for) at micro-batches 1 and
   // `larger`, which splits fixed from per-FLOP cost; each other precision at `larger` only, scaling
-  // both.
-  static CostModel calibrate(const RunConfig& base, const std::vector<Precision>& precisions, int64_t larger,
-                             const StepTimer& time_step, int timed = 1);
+  // both. nullopt when a timing step ran out of memory.
+  static std::optional<CostModel> calibrate(const RunConfig& base, const std::vector<Precision>& precisions,
+                                            int64_t larger, const StepTimer& time_step, int timed = 1);
   // `anchor` (calibrated in precision `measured`) extended to other precisions by measured ratios of
   // step time (theirs / the anchor's at the same micro-batch), as the doctor's lever trials give.
   static CostModel with_ratios(const CostModel& anchor, Precision measured, const std::map<Precision, double>& ratios);

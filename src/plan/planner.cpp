@@ -7,7 +7,7 @@
 #include <set>
 
 #include "estimate/estimator.h"
-#include "optim/optimizer.h"
+#include "plan/levers.h"
 #include "util/error.h"
 
 namespace headroom {
@@ -15,13 +15,19 @@ namespace headroom {
 nlohmann::json Plan::to_json() const {
   return {{"batch", batch},
           {"accum", accum},
-          {"precision", precision},
-          {"checkpointing", checkpointing},
-          {"optimizer", optimizer},
-          {"attention", attention},
+          {"precision", precision_name(precision)},
+          {"checkpointing", checkpointing.name()},
+          {"optimizer", optimizer_name(optimizer)},
+          {"attention", attention_path_name(attention)},
           {"predicted_peak_bytes", predicted_peak_bytes},
           {"predicted_step_seconds", predicted_step_seconds},
           {"predicted_step_time_ratio", predicted_step_time_ratio}};
+}
+
+std::string Plan::describe() const {
+  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}", batch, accum,
+                     precision_name(precision), checkpointing.name(), attention_path_name(attention),
+                     optimizer_name(optimizer));
 }
 
 nlohmann::json PlanResult::to_json() const {
@@ -43,15 +49,6 @@ std::vector<int64_t> micro_batches(int64_t global) {
   return {out.begin(), out.end()};
 }
 
-std::vector<std::string> checkpoint_policies(int64_t layers) {
-  std::vector<std::string> out = {"none", "selective"};
-  for (int64_t k : {4, 2}) {
-    if (layers > k) out.push_back(fmt::format("every:{}", k));
-  }
-  out.push_back("full");
-  return out;
-}
-
 }  // namespace
 
 PlanResult fitting_plans(const PlanRequest& r) {
@@ -59,38 +56,29 @@ PlanResult fitting_plans(const PlanRequest& r) {
   if (r.budget <= 0) fail("the planner needs a memory budget (--memory-budget SIZE)");
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
   const TrainSpec base_spec = train_spec(r.base);
-  const std::vector<std::string> precisions = r.base.precision == "bf16"
-                                                  ? std::vector<std::string>{"bf16"}
-                                                  : std::vector<std::string>{"fp32", "bf16-mixed", "fp16-mixed"};
-  std::vector<std::string> optimizers = {r.base.optimizer};
-  if (r.allow_optimizer_change) {
-    for (auto k : {OptimizerKind::adamw, OptimizerKind::adam, OptimizerKind::adafactor, OptimizerKind::momentum,
-                   OptimizerKind::sgd, OptimizerKind::adagrad}) {
-      if (optimizer_name(k) != r.base.optimizer) optimizers.push_back(optimizer_name(k));
-    }
-  }
   const double limit = static_cast<double>(r.budget) * (1.0 - r.margin);
   PlanResult out;
   out.smallest_peak = -1;
   for (int64_t micro : micro_batches(r.global_batch)) {
-    for (const auto& precision : precisions) {
-      for (const auto& checkpointing : checkpoint_policies(model.num_layers)) {
-        for (const char* attention : {"flash", "math"}) {
-          for (const auto& optimizer : optimizers) {
+    for (Precision precision : precision_settings(r.base.precision)) {
+      for (const CheckpointPolicy& checkpointing : checkpoint_settings(model.num_layers)) {
+        for (AttentionPath attention : attention_settings()) {
+          for (OptimizerKind optimizer : optimizer_settings(r.base.optimizer, r.allow_optimizer_change)) {
             TrainSpec spec = base_spec;
             spec.batch = micro;
             spec.accum = (r.global_batch + micro - 1) / micro;
-            spec.precision = parse_precision(precision);
-            spec.checkpointing = parse_checkpoint_policy(checkpointing);
-            spec.attention = parse_attention_path(attention);
-            spec.optimizer = parse_optimizer(optimizer);
+            spec.precision = precision;
+            spec.checkpointing = checkpointing;
+            spec.attention = attention;
+            spec.optimizer = optimizer;
             const int64_t peak = estimate(model, spec).peak_bytes;
             ++out.considered;
-            Plan p{micro, spec.accum, precision, checkpointing, optimizer, attention, peak};
+            const Plan p{micro, spec.accum, precision, checkpointing, optimizer, attention, peak};
             if (out.smallest_peak < 0 || peak < out.smallest_peak) {
               out.smallest_peak = peak;
               out.smallest_peak_plan = fmt::format("micro-batch {}, {}, checkpointing {}, {} attention, {}", micro,
-                                                   precision, checkpointing, attention, optimizer);
+                                                   precision_name(precision), checkpointing.name(),
+                                                   attention_path_name(attention), optimizer_name(optimizer));
             }
             if (static_cast<double>(peak) <= limit) out.plans.push_back(p);
           }
@@ -102,19 +90,16 @@ PlanResult fitting_plans(const PlanRequest& r) {
 }
 
 std::vector<Precision> precisions_of(const PlanResult& plans) {
-  std::set<std::string> names;
-  for (const Plan& p : plans.plans) names.insert(p.precision);
-  std::vector<Precision> out;
-  for (const auto& n : names) out.push_back(parse_precision(n));
-  return out;
+  std::set<Precision> seen;
+  for (const Plan& p : plans.plans) seen.insert(p.precision);
+  return {seen.begin(), seen.end()};
 }
 
 void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) {
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
   for (Plan& p : plans.plans) {
     p.predicted_step_seconds =
-        cost.step_seconds(model, p.batch, r.global_batch, r.base.seq, parse_precision(p.precision),
-                          parse_checkpoint_policy(p.checkpointing), parse_attention_path(p.attention));
+        cost.step_seconds(model, p.batch, r.global_batch, r.base.seq, p.precision, p.checkpointing, p.attention);
   }
   // Ties (an uncalibrated model sees only FLOPs; float sums differ in the last bits): fewer, larger
   // micro-batches, then the smaller peak.
@@ -131,6 +116,35 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
   for (Plan& p : plans.plans) p.predicted_step_time_ratio = best > 0 ? p.predicted_step_seconds / best : 1.0;
 }
 
+PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTimer& timer,
+                                 const std::map<Precision, double>& known_ratios,
+                                 const std::function<void(const std::string&)>& progress) {
+  PlanResult result = fitting_plans(r);
+  if (result.plans.empty()) return result;
+  CostModel cost = CostModel::flops_only();
+  if (timer) {
+    // Time the precisions that fit and are not known yet; the base precision too when others are
+    // known, since their ratios are relative to it.
+    const Precision own = r.base.precision;
+    std::vector<Precision> untimed;
+    if (!known_ratios.empty()) untimed.push_back(own);
+    for (Precision p : precisions_of(result)) {
+      if (known_ratios.count(p) == 0 && (known_ratios.empty() || p != own)) untimed.push_back(p);
+    }
+    if (progress) {
+      progress(fmt::format("calibrating step time on this machine ({} precision{}, 2 micro-batch sizes)",
+                           untimed.size(), untimed.size() == 1 ? "" : "s"));
+    }
+    if (auto calibrated = CostModel::calibrate(r.base, untimed, std::min<int64_t>(4, r.global_batch), timer)) {
+      cost = known_ratios.empty() ? *calibrated : CostModel::with_ratios(*calibrated, own, known_ratios);
+    } else if (progress) {
+      progress("calibration ran out of memory; ranking by FLOPs alone");
+    }
+  }
+  rank_plans(result, r, cost);
+  return result;
+}
+
 RunConfig with_plan(RunConfig c, const Plan& p) {
   c.batch = p.batch;
   c.accum = p.accum;
@@ -138,7 +152,7 @@ RunConfig with_plan(RunConfig c, const Plan& p) {
   c.checkpointing = p.checkpointing;
   c.optimizer = p.optimizer;
   c.attention = p.attention;
-  c.plan.clear();
+  c.plan_auto = false;
   return c;
 }
 

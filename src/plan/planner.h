@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -21,11 +23,16 @@ namespace headroom {
 struct Plan {
   int64_t batch = 0;  // micro-batch
   int64_t accum = 0;
-  std::string precision, checkpointing, optimizer, attention;
+  Precision precision = Precision::fp32;
+  CheckpointPolicy checkpointing;
+  OptimizerKind optimizer = OptimizerKind::adamw;
+  AttentionPath attention = AttentionPath::flash;
   int64_t predicted_peak_bytes = 0;
   double predicted_step_seconds = 0;
   double predicted_step_time_ratio = 1;  // to the best plan's
   nlohmann::json to_json() const;
+  // "micro-batch 2 x accum 16, bf16-mixed, checkpointing every:2, flash attention, adamw"
+  std::string describe() const;
 };
 
 struct PlanRequest {
@@ -51,6 +58,15 @@ std::vector<Precision> precisions_of(const PlanResult& plans);
 // Stage 2: step times from `cost`, sorted fastest first (fewer micro-batches, then the smaller
 // peak, breaking ties), ratios to the fastest.
 void rank_plans(PlanResult& plans, const PlanRequest& request, const CostModel& cost);
+
+// Both stages, with the cost model calibrated by timing real steps with `timer` for the precisions
+// that fit (null: ranked by FLOPs alone). `known_ratios` are step-time ratios to the base
+// precision already measured (the doctor's lever trials): those precisions are not timed again.
+// A timing step that runs out of memory leaves the ranking to FLOPs alone. `progress` (may be null)
+// hears what is being timed.
+PlanResult plan_with_calibration(const PlanRequest& request, const CostModel::StepTimer& timer,
+                                 const std::map<Precision, double>& known_ratios = {},
+                                 const std::function<void(const std::string&)>& progress = nullptr);
 
 // `config` set to run `plan`.
 RunConfig with_plan(RunConfig config, const Plan& plan);

@@ -55,10 +55,10 @@ TEST(Planner, TheTopPlanTrainsUnderItsBudget) {
   EXPECT_DOUBLE_EQ(plans.plans.front().predicted_step_time_ratio, 1.0);
 
   RunConfig run = with_plan(base, plans.plans.front());
-  run.memory_budget = std::to_string(r.budget);
+  run.memory_budget = r.budget;
   run.no_guard = true;  // an OOM would end the run: the plan must fit as predicted
   run.steps = 3;
-  const TrainSummary s = train(run);
+  const TrainSummary s = train(run).summary;
   EXPECT_EQ(s.steps, 3);
   EXPECT_LE(s.peak_bytes, r.budget);
 }
@@ -96,10 +96,12 @@ TEST(CostModel, CountsRecomputeAndTheFixedCostOfEachMicroBatch) {
   EXPECT_NEAR(micro_batch_flops(m, 4, 64, full, AttentionPath::flash) / f_none, 4.0 / 3.0, 0.1);
   EXPECT_LT(f_none, micro_batch_flops(m, 4, 64, none, AttentionPath::math));
 
-  const CostModel cost = CostModel::calibrate(base, {Precision::fp32}, 4, [&](Precision p, int64_t rows, int timed) {
-    return time_train_step(base, p, rows, timed);
-  });
-  ASSERT_TRUE(cost.calibrated());
+  const std::optional<CostModel> calibrated =
+      CostModel::calibrate(base, {Precision::fp32}, 4, [&](Precision p, int64_t rows, int timed) {
+        return time_train_step(base, p, rows, timed);
+      });
+  ASSERT_TRUE(calibrated && calibrated->calibrated());
+  const CostModel& cost = *calibrated;
   const StepTimeFit fit = cost.fits().at(Precision::fp32);
   EXPECT_GT(fit.seconds_per_flop, 0);
   EXPECT_GE(fit.seconds_per_micro_batch, 0);

@@ -21,13 +21,8 @@ Trial trial_step(const RunConfig& base, int64_t batch) {
   RunConfig cfg = as_trial(base, 1);
   cfg.batch = batch;
   cfg.accum = 1;
-  try {
-    const TrainSummary s = train(cfg);
-    return {batch, true, s.peak_bytes};
-  } catch (const OutOfMemory& e) {
-    const OomReport& r = e.report();
-    return {batch, false, r.in_use + std::max<int64_t>(0, r.requested)};
-  }
+  const TrainResult r = train(cfg);
+  return {batch, r.fits(), r.peak_or_failure_bytes()};
 }
 
 FitResult search_max_batch(const TrialFunction& trial, int64_t budget, int64_t limit, const PeakPredictor& predict) {

@@ -84,7 +84,7 @@ TEST(BatchSearch, RealTrialsOnTinyFindTheTrueMaximum) {
   cfg.overrides = {"num_hidden_layers=2"};
   cfg.seq = 64;
   cfg.device = "cpu";
-  cfg.memory_budget = "60MiB";
+  cfg.memory_budget = int64_t{60} << 20;
   const FitResult r = search_max_batch([&](int64_t b) { return trial_step(cfg, b); }, 60 << 20, 256);
   ASSERT_GT(r.max_batch, 1);
   // Independently: the maximum fits and one more does not.

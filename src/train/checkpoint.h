@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/causal_lm.h"
+#include "util/named_tensor.h"
 
 namespace headroom {
 
@@ -28,6 +28,11 @@ struct CheckpointInfo {
 
 // The checkpoint file inside a checkpoint directory.
 std::string checkpoint_file(const std::string& dir);
+
+// Creates `dir` when missing and checks that a checkpoint can be written into it; throws Error
+// naming --checkpoint and the reason (a file in the way, no permission). Run before training, so
+// that a bad path is found before the work, not after it.
+void check_checkpoint_dir(const std::string& dir);
 
 void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,
                      const std::vector<NamedTensor>& optimizer);

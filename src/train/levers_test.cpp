@@ -62,8 +62,8 @@ TEST(Checkpointing, LowersThePeakAndLeavesGradientsEqual) {
   for (const char* policy : {"none", "selective", "every:2", "full"}) {
     RunConfig cfg = small_llama();
     cfg.overrides = {"num_hidden_layers=4"};
-    cfg.attention = "math";  // the score matrix makes selective's saving visible
-    cfg.checkpointing = policy;
+    cfg.attention = AttentionPath::math;  // the score matrix makes selective's saving visible
+    cfg.checkpointing = parse_checkpoint_policy(policy);
     const auto m = run_metrics(cfg);
     if (peaks.empty()) {
       loss = m[0]["loss"];
@@ -90,8 +90,8 @@ TEST(Checkpointing, LeavesGradientsEqualUnderMixedPrecision) {
     cfg.steps = 1;
     cfg.batch = 2;
     cfg.seq = 16;
-    cfg.precision = "bf16-mixed";
-    cfg.checkpointing = policy;
+    cfg.precision = Precision::bf16_mixed;
+    cfg.checkpointing = parse_checkpoint_policy(policy);
     const auto m = run_metrics(cfg);
     if (grad_norm == 0) {
       grad_norm = m[0]["grad_norm"];
@@ -111,7 +111,7 @@ TEST(Checkpointing, RecomputeReproducesDropout) {
     cfg.steps = 1;
     cfg.batch = 4;
     cfg.seq = 32;
-    cfg.checkpointing = policy;
+    cfg.checkpointing = parse_checkpoint_policy(policy);
     const auto m = run_metrics(cfg);
     if (grad_norm == 0) {
       grad_norm = m[0]["grad_norm"];
@@ -128,7 +128,7 @@ TEST(Precision, MixedPrecisionHoldsLessAndStillLearns) {
   cfg.seq = 128;  // enough activations that halving them outweighs autocast's bf16 weight copies
   cfg.steps = 3;
   const auto fp32 = run_metrics(cfg);
-  cfg.precision = "bf16-mixed";
+  cfg.precision = Precision::bf16_mixed;
   const auto bf16 = run_metrics(cfg);
   // Activations saved in bf16 take half the bytes; weights, gradients and AdamW state stay fp32.
   EXPECT_LT(bf16[2]["phases"]["forward"]["breakdown"]["activations"].get<int64_t>(),
@@ -136,12 +136,12 @@ TEST(Precision, MixedPrecisionHoldsLessAndStillLearns) {
   EXPECT_EQ(bf16[2]["phases"]["optimizer"]["breakdown"]["weights"],
             fp32[2]["phases"]["optimizer"]["breakdown"]["weights"]);
   EXPECT_NEAR(bf16[0]["loss"].get<double>(), fp32[0]["loss"].get<double>(), 0.02);  // same model, rounding only
-  cfg.precision = "bf16";
+  cfg.precision = Precision::bf16;
   const auto pure = run_metrics(cfg);
   // Pure bf16: weights at 2 bytes a parameter.
   EXPECT_EQ(2 * pure[2]["phases"]["optimizer"]["breakdown"]["weights"].get<int64_t>(),
             fp32[2]["phases"]["optimizer"]["breakdown"]["weights"].get<int64_t>());
-  cfg.precision = "fp16-mixed";
+  cfg.precision = Precision::fp16_mixed;
   const auto fp16 = run_metrics(cfg);
   EXPECT_EQ(fp16[0]["loss_scale"], 65536.0);  // no overflow at the start: the scale holds
   EXPECT_NEAR(fp16[2]["loss"].get<double>(), fp32[2]["loss"].get<double>(), 0.05);

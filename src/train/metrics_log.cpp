@@ -58,8 +58,8 @@ void MetricsLog::write(const StepRecord& r) {
                       {"batch", r.batch},
                       {"accum", r.accum},
                       {"oom_recoveries", r.oom_recoveries}};
-  if (!r.peak_phase.empty()) j["peak_phase"] = r.peak_phase;
-  if (!r.phases.is_null()) j["phases"] = r.phases;
+  j["peak_phase"] = std::string(phase_name(r.memory.peak_phase));
+  j["phases"] = r.memory.to_json();
   if (r.skipped) j["skipped"] = true;
   if (r.loss_scale) j["loss_scale"] = *r.loss_scale;
   if (r.eval_loss) j["eval_loss"] = *r.eval_loss;

@@ -11,7 +11,7 @@
 //   live_bytes      device memory in use at the end of the step, same source
 //   lr, grad_norm   learning rate used, global gradient norm before clipping
 //   batch, accum    micro-batch size and micro-batches the step ran with
-//   oom_recoveries  OOMs absorbed during the step (0 until the OOM guard lands)
+//   oom_recoveries  OOMs the guard absorbed during the step
 //   peak_phase      the phase that held the step's peak (data, forward, backward, optimizer, zero_grad)
 //   phases          per phase: live_in and live_out (bytes at entry and exit), peak (inside), and
 //                   breakdown: the peak by category — weights, gradients, optimizer, activations
@@ -24,31 +24,12 @@
 
 #include <cstdint>
 #include <fstream>
-
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
-namespace headroom {
+#include "train/step_record.h"
 
-struct StepRecord {
-  int64_t step = 0;
-  double loss = 0;
-  int64_t tokens = 0;
-  double seconds = 0;
-  int64_t peak_bytes = 0;
-  int64_t live_bytes = 0;
-  double lr = 0;
-  double grad_norm = 0;
-  int64_t batch = 0;
-  int64_t accum = 0;
-  int64_t oom_recoveries = 0;
-  std::string peak_phase;
-  nlohmann::json phases;  // StepMemory::to_json()
-  bool skipped = false;
-  std::optional<double> loss_scale;
-  std::optional<double> eval_loss;
-};
+namespace headroom {
 
 class MetricsLog {
  public:

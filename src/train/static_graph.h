@@ -28,10 +28,11 @@ struct StaticGraphTrial {
   double eager_first_loss = 0, graphed_first_loss = 0;
 };
 
-// Trains `steps` eager steps, then captures the step and replays it for `steps` more, from
-// `config` (model, micro-batch, accumulation, precision, checkpointing, attention, optimizer, seed;
-// no budget, outputs or guard). Throws Error unless config.device is cuda, and OutOfMemory-free
-// c10::OutOfMemoryError when the eager step does not fit the card.
+// Trains `steps` eager steps (the trainer's own step, train/step.h), then captures the step and
+// replays it for `steps` more, from `config` (model, micro-batch, accumulation, precision,
+// checkpointing, attention, optimizer, seed; no budget, outputs or guard). Throws Error unless
+// config.device is cuda, and c10::OutOfMemoryError when the model or the eager step does not fit
+// the card.
 StaticGraphTrial measure_static_graph(const RunConfig& config, int64_t steps);
 
 }  // namespace headroom

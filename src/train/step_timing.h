@@ -4,15 +4,15 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "config/run_config.h"
-#include "train/precision.h"
 
 namespace headroom {
 
 // Median seconds of `timed` steps of `base` (its model, seq, data and device) at micro-batch `rows`
 // in `precision`, after one warm-up step; accumulation 1, no checkpointing, flash attention, no
-// budget, no outputs, no OOM guard: throws OutOfMemory when the shape does not fit the device.
-double time_train_step(const RunConfig& base, Precision precision, int64_t rows, int timed);
+// budget, no outputs, no OOM guard: nullopt when that shape does not fit the device.
+std::optional<double> time_train_step(const RunConfig& base, Precision precision, int64_t rows, int timed);
 
 }  // namespace headroom

@@ -1,12 +1,11 @@
-// The training loop: one function that trains a causal LM per a RunConfig and reports the result.
+// The trainer — trains a causal LM per a RunConfig and returns what happened as a value.
 //
-// Reads top to bottom in trainer.cpp: resolve the device, build the model and optimizer, resume if
-// asked, then per step: seed dropout from (seed, step), run the micro-batches (forward, loss,
-// backward with token weights), clip, update, log, evaluate and checkpoint when due. Progress goes to
-// stderr; the metrics JSONL to --metrics. Each step runs inside the MemoryMonitor's phases. Throws
-// Error for bad input, and OutOfMemory (memory/oom_report.h) with a diagnosis when a step runs out of
-// device memory; the failed step's memory is released first, so live memory is back to its level
-// before the step.
+// Reads top to bottom in trainer.cpp: build the run (train/run.h), resume if asked, then per
+// optimizer step: the step under the OOM guard (train/oom_guard.h, which runs train/step.h's five
+// phases), its record, the observers (checkpoint, evaluation, metrics, progress:
+// train/observers.h). A run that runs out of memory in a way the guard cannot absorb ends there,
+// with the diagnosis in TrainResult::oom and the records of the steps before it; the failed step's
+// memory is released first. Throws Error for bad input only.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +15,8 @@
 
 #include "config/run_config.h"
 #include "memory/leak_detector.h"
+#include "memory/oom_report.h"
+#include "train/step_record.h"
 
 namespace headroom {
 
@@ -27,10 +28,6 @@ struct TrainSummary {
   double tokens_per_s = 0;  // over the steps this process ran
   int64_t peak_bytes = 0;   // over the steps this process ran
   double seconds = 0;
-  std::vector<double> step_seconds;  // each step this process ran, in order
-  // The median of step_seconds after the first (which warms up); the only one if just one; 0 if none.
-  double median_step_seconds() const;
-  std::vector<StepLive> live_series;  // each step this process ran: live bytes after it, transient
   // The allocations made during the steps (after the first two) still alive when the run ended, by
   // site (cpu; cuda with RunConfig::leak_origins)
   std::vector<LeakSite> surviving;
@@ -39,6 +36,20 @@ struct TrainSummary {
   std::string memory_source;  // what the memory figures measure
 };
 
-TrainSummary train(const RunConfig& config);
+struct TrainResult {
+  TrainSummary summary;
+  std::vector<StepRecord> steps;  // each step this process completed, in order
+  std::optional<OomReport> oom;   // the run ended out of memory (during setup, or in the step after the last record)
+
+  bool fits() const { return !oom.has_value(); }
+  // The median step time after the first (which warms up); the only one if just one; 0 if none.
+  double median_step_seconds() const;
+  // The live bytes after each step and its transient memory, for the leak detector.
+  std::vector<StepLive> live_series() const;
+  // The peak when the run fitted; else what was in use at the failure plus the request (a lower bound).
+  int64_t peak_or_failure_bytes() const;
+};
+
+TrainResult train(const RunConfig& config);
 
 }  // namespace headroom

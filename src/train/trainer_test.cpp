@@ -51,7 +51,7 @@ TEST(Trainer, TinyLearnsTheBundledCorpus) {
   cfg.quiet = true;
   const double before = initial_eval_loss(cfg);
   EXPECT_NEAR(before, std::log(256.0), 0.1);  // near-uniform over bytes at init
-  const TrainSummary s = train(cfg);
+  const TrainSummary s = train(cfg).summary;
   EXPECT_EQ(s.steps, 200);
   EXPECT_LE(s.eval_loss, 0.7 * before) << "before " << before << " after " << s.eval_loss;
 }
@@ -77,11 +77,11 @@ TEST(Trainer, ResumeGivesTheIdenticalLossSequence) {
   first.metrics = dir.file("resumed.jsonl");
   first.checkpoint = dir.file("ckpt");
   first.stop_at = 3;
-  EXPECT_EQ(train(first).steps, 3);
+  EXPECT_EQ(train(first).summary.steps, 3);
   RunConfig second = cfg;
   second.metrics = dir.file("resumed.jsonl");
   second.resume = dir.file("ckpt");
-  EXPECT_EQ(train(second).steps, 8);
+  EXPECT_EQ(train(second).summary.steps, 8);
 
   const auto a = read_jsonl(straight.metrics);
   const auto b = read_jsonl(second.metrics);
@@ -110,7 +110,7 @@ TEST(Trainer, MetricsCarryTheContractFields) {
   cfg.device = "cpu";
   cfg.quiet = true;
   cfg.metrics = dir.file("m.jsonl");
-  const TrainSummary s = train(cfg);
+  const TrainSummary s = train(cfg).summary;
   const auto lines = read_jsonl(cfg.metrics);
   ASSERT_EQ(lines.size(), 2u);
   for (const char* key :
@@ -145,7 +145,7 @@ TEST(TrainerMemory, StepPeaksAndBoundariesMatchHandComputedSizes) {
   TempDir dir;
   RunConfig cfg = tiny_run(2);
   cfg.metrics = dir.file("m.jsonl");
-  const TrainSummary s = train(cfg);
+  const TrainSummary s = train(cfg).summary;
   ASSERT_EQ(s.params, kTinyParams);
   const auto lines = read_jsonl(cfg.metrics);
   const auto& step2 = lines[1];
@@ -178,12 +178,12 @@ TEST(TrainerMemory, AnOomInsideAStepLeavesNothingBehind) {
   for (int64_t nth : {1, 2, 40, 120, 250, 300, 330}) {
     RunConfig cfg = tiny_run(3);
     cfg.no_guard = true;
-    cfg.inject_oom = fmt::format("2:{}", nth);
-    try {
-      train(cfg);
+    cfg.inject_oom = parse_oom_injection(fmt::format("2:{}", nth));
+    const TrainResult result = train(cfg);
+    if (!result.oom) {
       ADD_FAILURE() << "no OOM for allocation " << nth;
-    } catch (const OutOfMemory& e) {
-      const OomReport& r = e.report();
+    } else {
+      const OomReport& r = *result.oom;
       EXPECT_EQ(r.step, 2);
       EXPECT_TRUE(r.injected);
       EXPECT_EQ(r.live_before_step, kTinyLiveAfterStep) << nth;
@@ -202,13 +202,8 @@ TEST(TrainerMemory, FaultInjectionIsReproducible) {
   auto once = [] {
     RunConfig cfg = tiny_run(2);
     cfg.no_guard = true;
-    cfg.inject_oom = "2:150";
-    try {
-      train(cfg);
-    } catch (const OutOfMemory& e) {
-      return e.report();
-    }
-    return OomReport{};
+    cfg.inject_oom = parse_oom_injection("2:150");
+    return train(cfg).oom.value_or(OomReport{});
   };
   const OomReport a = once(), b = once();
   EXPECT_EQ(a.step, 2);
@@ -220,12 +215,12 @@ TEST(TrainerMemory, FaultInjectionIsReproducible) {
 TEST(TrainerMemory, BudgetEndsTheRunWithTheDocumentedMessage) {
   RunConfig cfg = tiny_run(2);
   cfg.no_guard = true;
-  cfg.memory_budget = "100MiB";
-  try {
-    train(cfg);
+  cfg.memory_budget = int64_t{100} << 20;
+  const TrainResult result = train(cfg);
+  if (!result.oom) {
     ADD_FAILURE() << "tiny's ~120 MiB step fit in 100 MiB";
-  } catch (const OutOfMemory& e) {
-    const OomReport& r = e.report();
+  } else {
+    const OomReport& r = *result.oom;
     EXPECT_EQ(r.budget, 100 << 20);
     EXPECT_FALSE(r.injected);
     EXPECT_LE(r.in_use, r.budget);

@@ -1,0 +1,26 @@
+#include "config/optimizer_kind.h"
+
+#include "util/error.h"
+
+namespace headroom {
+
+const char* optimizer_name(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::sgd: return "sgd";
+    case OptimizerKind::momentum: return "momentum";
+    case OptimizerKind::adam: return "adam";
+    case OptimizerKind::adamw: return "adamw";
+    case OptimizerKind::adagrad: return "adagrad";
+    case OptimizerKind::adafactor: return "adafactor";
+  }
+  return "?";
+}
+
+OptimizerKind parse_optimizer(const std::string& text) {
+  for (OptimizerKind k : kOptimizerKinds) {
+    if (text == optimizer_name(k)) return k;
+  }
+  fail("--optimizer '{}': accepted: sgd, momentum, adam, adamw, adagrad, adafactor", text);
+}
+
+}  // namespace headroom

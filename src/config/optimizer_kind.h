@@ -1,0 +1,23 @@
+// OptimizerKind — which optimizer a run uses (lever 8: optimizer state). The optimizers themselves
+// are in optim/; this is the setting, parsed once from the command line or TOML.
+#pragma once
+
+#include <string>
+
+namespace headroom {
+
+enum class OptimizerKind { sgd, momentum, adam, adamw, adagrad, adafactor };
+
+// Every kind, in the order --help lists them.
+inline constexpr OptimizerKind kOptimizerKinds[] = {OptimizerKind::sgd,   OptimizerKind::momentum,
+                                                    OptimizerKind::adam,  OptimizerKind::adamw,
+                                                    OptimizerKind::adagrad, OptimizerKind::adafactor};
+
+const char* optimizer_name(OptimizerKind kind);
+// Throws Error naming the accepted values.
+OptimizerKind parse_optimizer(const std::string& text);
+
+// Adam and AdamW hold the same state (two moments per parameter); only their update differs.
+inline bool is_adam_family(OptimizerKind k) { return k == OptimizerKind::adam || k == OptimizerKind::adamw; }
+
+}  // namespace headroom

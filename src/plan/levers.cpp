@@ -1,0 +1,87 @@
+#include "plan/levers.h"
+
+#include <fmt/format.h>
+
+namespace headroom {
+
+const char* lever_name(Lever lever) {
+  switch (lever) {
+    case Lever::accumulation: return "accumulation";
+    case Lever::precision: return "precision";
+    case Lever::checkpointing: return "checkpointing";
+    case Lever::attention: return "attention";
+    case Lever::optimizer: return "optimizer";
+  }
+  return "?";
+}
+
+std::vector<Precision> precision_settings(Precision given) {
+  if (given == Precision::bf16) return {Precision::bf16};
+  return {Precision::fp32, Precision::bf16_mixed, Precision::fp16_mixed};
+}
+
+std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers) {
+  std::vector<CheckpointPolicy> out = {CheckpointPolicy::none(), CheckpointPolicy::selective()};
+  for (int64_t k : {4, 2}) {
+    if (layers > k) out.push_back(CheckpointPolicy::every_kth(k));
+  }
+  out.push_back(CheckpointPolicy::full());
+  return out;
+}
+
+std::vector<AttentionPath> attention_settings() { return {AttentionPath::flash, AttentionPath::math}; }
+
+std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change) {
+  std::vector<OptimizerKind> out = {given};
+  if (!allow_change) return out;
+  for (OptimizerKind k : {OptimizerKind::adamw, OptimizerKind::adam, OptimizerKind::adafactor, OptimizerKind::momentum,
+                          OptimizerKind::sgd, OptimizerKind::adagrad}) {
+    if (k != given) out.push_back(k);
+  }
+  return out;
+}
+
+std::vector<LeverChange> lever_changes(const RunConfig& cfg, int64_t layers) {
+  std::vector<LeverChange> out;
+  for (int64_t div : {2, 4}) {
+    if (cfg.batch / div < 1 || cfg.batch % div != 0) continue;
+    const int64_t micro = cfg.batch / div, accum = cfg.accum * div;
+    out.push_back({Lever::accumulation, fmt::format("micro-batch {} x accum {}", micro, accum),
+                   fmt::format("--batch {} --accum {}", micro, accum), "same global batch, same update",
+                   [micro, accum](RunConfig& c) {
+                     c.batch = micro;
+                     c.accum = accum;
+                   }});
+  }
+  for (Precision p : {Precision::bf16_mixed, Precision::fp16_mixed, Precision::bf16}) {
+    if (p == cfg.precision) continue;
+    out.push_back({Lever::precision, precision_name(p), fmt::format("--precision {}", precision_name(p)),
+                   p == Precision::bf16 ? "weights, gradients and state in bf16 too" : "autocast",
+                   [p](RunConfig& c) { c.precision = p; }});
+  }
+  for (const CheckpointPolicy& k : checkpoint_settings(layers)) {
+    if (k == cfg.checkpointing || k.kind == CheckpointPolicy::Kind::none) continue;
+    out.push_back({Lever::checkpointing, k.name(), "--checkpointing " + k.name(), "recompute in backward",
+                   [k](RunConfig& c) { c.checkpointing = k; }});
+  }
+  for (AttentionPath a : attention_settings()) {
+    if (a == cfg.attention) continue;
+    out.push_back({Lever::attention, attention_path_name(a), fmt::format("--attention {}", attention_path_name(a)),
+                   a == AttentionPath::math ? "the explicit path keeps the seq x seq scores" : "fused SDPA",
+                   [a](RunConfig& c) { c.attention = a; }});
+  }
+  for (OptimizerKind o : {OptimizerKind::adafactor, OptimizerKind::sgd, OptimizerKind::adam, OptimizerKind::adamw}) {
+    if (o == cfg.optimizer) continue;
+    std::string note = "changes the training dynamics";
+    if (is_adam_family(o)) {
+      if (!is_adam_family(cfg.optimizer)) continue;  // more state, not less
+      note = fmt::format("the same state as {} (two moments per parameter): only the update differs",
+                         optimizer_name(cfg.optimizer));
+    }
+    out.push_back({Lever::optimizer, optimizer_name(o), fmt::format("--optimizer {}", optimizer_name(o)), note,
+                   [o](RunConfig& c) { c.optimizer = o; }});
+  }
+  return out;
+}
+
+}  // namespace headroom

@@ -1,0 +1,44 @@
+// Levers — the one table of what headroom can change about a run to make it fit: gradient
+// accumulation (lever 3), precision (4), activation checkpointing (5), the attention path, and the
+// optimizer (8). The planner enumerates its candidates from it, the doctor tries each change it
+// lists, and the OOM advice names them; a new setting joins here and nowhere else.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "config/run_config.h"
+
+namespace headroom {
+
+enum class Lever { accumulation, precision, checkpointing, attention, optimizer };
+const char* lever_name(Lever lever);
+
+// The settings of each lever, as the planner enumerates them.
+// Precisions: fp32, bf16-mixed and fp16-mixed; a run given pure bf16 stays in pure bf16 (its
+// weights are bf16: the others would be a different model).
+std::vector<Precision> precision_settings(Precision given);
+// none, selective, every:4 and every:2 where the model is deeper than that, full.
+std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers);
+std::vector<AttentionPath> attention_settings();
+// The optimizers from the given one: only it, or (allow_change) every kind, the given one first.
+std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change);
+
+// One change of one lever from a run's configuration.
+struct LeverChange {
+  Lever lever;
+  std::string setting;  // "bf16-mixed", "micro-batch 8 x accum 2"
+  std::string flags;    // the command-line flags that make it: "--precision bf16-mixed"
+  std::string note;     // what it changes besides memory
+  std::function<void(RunConfig&)> apply;
+};
+
+// Each single-lever change worth trying from `config` (a model of `layers` layers), in lever order:
+// accumulation at a half and a quarter of the micro-batch (same global batch), every other
+// precision, every other checkpointing policy, the other attention path, and the optimizers with
+// less state (adafactor, sgd) — or, for adam and adamw, the other one, which holds the same state.
+std::vector<LeverChange> lever_changes(const RunConfig& config, int64_t layers);
+
+}  // namespace headroom

@@ -1,0 +1,114 @@
+#include "train/observers.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "train/checkpoint.h"
+#include "train/metrics_log.h"
+#include "train/step.h"
+#include "util/size.h"
+
+namespace headroom {
+namespace {
+
+bool due(int64_t step, int64_t every, bool last) { return last || (every > 0 && step % every == 0); }
+
+class EvalObserver final : public StepObserver {
+ public:
+  explicit EvalObserver(int64_t every) : every_(every) {}
+  void after_step(Run& run, StepRecord& rec, bool last) override {
+    if (due(rec.step, every_, last)) rec.eval_loss = evaluate(run, rec.batch);
+  }
+
+ private:
+  int64_t every_;
+};
+
+class CheckpointObserver final : public StepObserver {
+ public:
+  CheckpointObserver(std::string dir, int64_t every) : dir_(std::move(dir)), every_(every) {
+    check_checkpoint_dir(dir_);
+  }
+  void after_step(Run& run, StepRecord& rec, bool last) override {
+    if (!due(rec.step, every_, last)) return;
+    const CheckpointInfo info{rec.step, run.config.seed, run.config.steps, run.model_config.source};
+    save_checkpoint(dir_, info, run.parameters(), run.optimizer->state());
+  }
+
+ private:
+  std::string dir_;
+  int64_t every_;
+};
+
+class MetricsObserver final : public StepObserver {
+ public:
+  MetricsObserver(const std::string& path, std::optional<int64_t> resumed_at) : log_(path, resumed_at) {}
+  void after_step(Run&, StepRecord& rec, bool) override { log_.write(rec); }
+
+ private:
+  MetricsLog log_;
+};
+
+std::string format_eta(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+class ProgressObserver final : public StepObserver {
+ public:
+  ProgressObserver(int64_t start, int64_t end, int64_t total) : start_(start), end_(end), total_(total) {}
+  void after_step(Run&, StepRecord& rec, bool last) override {
+    using Clock = std::chrono::steady_clock;
+    seconds_ += rec.seconds;
+    tokens_ += rec.tokens;
+    const auto now = Clock::now();
+    if (!(last || rec.step == start_ + 1 || now - last_print_ >= std::chrono::seconds(2))) return;
+    last_print_ = now;
+    const int64_t done = rec.step - start_;
+    const double eta = seconds_ / static_cast<double>(done) * static_cast<double>(end_ - rec.step);
+    fmt::print(stderr, "step {:>5}/{}  loss {:.4f}{}  lr {:.2e}  {:.0f} tok/s  mem {} (peak {} in {})  eta {}\n",
+               rec.step, total_, rec.loss, rec.eval_loss ? fmt::format("  eval {:.4f}", *rec.eval_loss) : "", rec.lr,
+               static_cast<double>(tokens_) / seconds_, format_bytes(rec.live_bytes), format_bytes(rec.peak_bytes),
+               phase_name(rec.memory.peak_phase), format_eta(eta));
+  }
+
+ private:
+  int64_t start_, end_, total_;
+  double seconds_ = 0;
+  int64_t tokens_ = 0;
+  std::chrono::steady_clock::time_point last_print_{};
+};
+
+}  // namespace
+
+std::unique_ptr<StepObserver> eval_observer(int64_t every) { return std::make_unique<EvalObserver>(every); }
+
+std::unique_ptr<StepObserver> checkpoint_observer(const std::string& dir, int64_t every) {
+  return std::make_unique<CheckpointObserver>(dir, every);
+}
+
+std::unique_ptr<StepObserver> metrics_observer(const std::string& path, std::optional<int64_t> resumed_at) {
+  return std::make_unique<MetricsObserver>(path, resumed_at);
+}
+
+std::unique_ptr<StepObserver> progress_observer(int64_t start, int64_t end, int64_t total_steps) {
+  return std::make_unique<ProgressObserver>(start, end, total_steps);
+}
+
+std::vector<std::unique_ptr<StepObserver>> make_observers(const Run& run, int64_t start,
+                                                          std::optional<int64_t> resumed_at) {
+  const RunConfig& c = run.config;
+  std::vector<std::unique_ptr<StepObserver>> out;
+  // A resumed run keeps checkpointing where it resumed from unless told otherwise.
+  const std::string checkpoint_dir = !c.checkpoint.empty() ? c.checkpoint : c.resume;
+  if (!checkpoint_dir.empty()) out.push_back(checkpoint_observer(checkpoint_dir, c.checkpoint_every));
+  if (c.eval_rows > 0) out.push_back(eval_observer(c.eval_every));
+  if (!c.metrics.empty()) out.push_back(metrics_observer(c.metrics, resumed_at));
+  if (!c.quiet) out.push_back(progress_observer(start, c.end_step(), c.steps));
+  return out;
+}
+
+}  // namespace headroom

@@ -1,0 +1,95 @@
+#include "train/run.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include "device/cuda_adapter.h"
+#include "device/device.h"
+#include "util/error.h"
+#include "util/files.h"
+
+namespace headroom {
+
+Run::Run(const RunConfig& cfg, const c10::Device& dev)
+    : config(cfg), device(dev), probe(make_memory_probe(dev)), forward{cfg.attention, /*training=*/true,
+                                                                       cfg.checkpointing} {
+  history_ = !cfg.memory_snapshot.empty();
+  // The snapshot's recorder would replace the origin tagger: one or the other.
+  origins_ = cfg.leak_origins && dev.is_cuda() && !history_;
+  if (history_) cuda_record_memory_history(true);
+  if (origins_) probe->record_origins(true);
+}
+
+Run::~Run() {
+  try {
+    probe->set_budget(std::nullopt);
+    if (history_) cuda_record_memory_history(false);
+    if (origins_) probe->record_origins(false);
+  } catch (...) {  // nothing here may throw out of a destructor
+  }
+}
+
+MadeRun make_run(const RunConfig& cfg) {
+  validate(cfg);
+  const c10::Device device = resolve_device(cfg.device);
+  if (!cfg.memory_snapshot.empty() && !device.is_cuda()) {
+    fail(
+        "--memory-snapshot needs --device cuda (it is PyTorch's CUDA allocator history); on cpu the metrics "
+        "JSONL has the per-phase memory");
+  }
+  if (cfg.inject_oom && device.is_cuda()) fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
+
+  auto run = std::make_unique<Run>(cfg, device);
+  run->model_config = load_model_config(cfg.model, cfg.overrides);
+  const ModelConfig& mc = run->model_config;
+  if (mc.vocab_size < kByteVocabulary) {
+    fail("{}: vocab_size {} is smaller than the byte tokenizer's {}; set --set vocab_size=256 or more", mc.name,
+         mc.vocab_size, kByteVocabulary);
+  }
+  if (cfg.seq > mc.max_positions) {
+    fail("--seq {} exceeds {}'s max_position_embeddings {}", cfg.seq, mc.name, mc.max_positions);
+  }
+  run->data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
+
+  // The budget applies from here: the model and optimizer state must fit in it too.
+  run->probe->set_budget(cfg.memory_budget);
+  const c10::ScalarType dtype = parameter_dtype(cfg.precision);
+  try {
+    run->model = std::make_unique<CausalLM>(mc, at::TensorOptions().dtype(dtype).device(device), cfg.seed);
+    OptimizerOptions options;
+    options.weight_decay = cfg.weight_decay_value();
+    run->optimizer = make_optimizer(cfg.optimizer, run->model->parameters(), options);
+  } catch (const c10::OutOfMemoryError& e) {
+    OomReport r;
+    r.during_setup = true;
+    r.message = first_line(e.what_without_backtrace());
+    r.budget = run->probe->budget().value_or(-1);
+    const auto event = run->probe->last_oom();
+    r.in_use = event ? event->live : run->probe->live_bytes();
+    r.requested = event ? event->requested : -1;
+    r.breakdown.weights = count_parameters(mc) * static_cast<int64_t>(c10::elementSize(dtype));
+    run->optimizer.reset();
+    run->model.reset();
+    return {nullptr, r};
+  }
+  if (cfg.precision == Precision::fp16_mixed) run->scaler.emplace(device);
+  run->schedule = LrSchedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
+
+  Run* r = run.get();
+  run->monitor = std::make_unique<MemoryMonitor>(
+      *run->probe, TrackedTensors{[r] { return r->model->parameter_tensors(); },
+                                  [r] {
+                                    std::vector<at::Tensor> grads;
+                                    for (const auto& p : r->parameters()) grads.push_back(p.tensor.grad());
+                                    return grads;
+                                  },
+                                  [r] {
+                                    std::vector<at::Tensor> state;
+                                    for (const auto& s : r->optimizer->state()) state.push_back(s.tensor);
+                                    for (const auto& t : r->optimizer->working_memory()) state.push_back(t);
+                                    return state;
+                                  }});
+  return {std::move(run), std::nullopt};
+}
+
+}  // namespace headroom

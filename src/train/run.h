@@ -1,0 +1,71 @@
+// Run — everything one training run holds, built by make_run() from a RunConfig: the device, the
+// model and its optimizer, the data, fp16's loss scaler, the memory probe and monitor, the learning
+// rate schedule. The trainer, the static-graph trial, fit's trials, the doctor's trials and the
+// benchmarks all start from it, so they train the same thing the same way.
+//
+// Building a Run sets process-wide state (on cpu the counting allocator is installed; the budget;
+// on cuda allocation history when a snapshot or leak origins are asked for); destroying it undoes
+// them. Not thread-safe; one Run at a time per process. Not movable: the monitor refers into it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "config/model_config.h"
+#include "config/run_config.h"
+#include "data/text_dataset.h"
+#include "memory/memory_monitor.h"
+#include "memory/memory_probe.h"
+#include "memory/oom_report.h"
+#include "model/causal_lm.h"
+#include "optim/optimizer.h"
+#include "train/lr_schedule.h"
+#include "train/precision.h"
+
+namespace headroom {
+
+struct Run {
+  Run(const RunConfig& config, const c10::Device& device);
+  ~Run();
+  Run(const Run&) = delete;
+  Run& operator=(const Run&) = delete;
+
+  RunConfig config;
+  c10::Device device;
+  std::unique_ptr<MemoryProbe> probe;  // first: on cpu it installs the counting allocator
+  ModelConfig model_config;
+  std::optional<TextDataset> data;
+  std::unique_ptr<CausalLM> model;
+  std::unique_ptr<Optimizer> optimizer;
+  std::optional<LossScaler> scaler;  // fp16-mixed
+  std::unique_ptr<MemoryMonitor> monitor;
+  LrSchedule schedule;
+  ForwardOptions forward;  // the training forward: attention path, dropout on, checkpointing
+
+  // --inject-leak: what the planted leak keeps alive.
+  std::vector<at::Tensor> leaked_outputs;
+  at::Tensor leaked_loss;
+
+  const std::vector<NamedTensor>& parameters() const { return model->parameters(); }
+  // cuda with RunConfig::leak_origins: allocations are tagged with their step and phase.
+  bool records_origins() const { return origins_; }
+
+ private:
+  bool history_ = false, origins_ = false;  // cuda recording this run switched on
+};
+
+// A run, or why it could not be built: an out-of-memory while allocating the weights and the
+// optimizer state (OomReport::during_setup). Throws Error for bad input (the config, the model,
+// the data, a device that is not there).
+struct MadeRun {
+  std::unique_ptr<Run> run;
+  std::optional<OomReport> oom;
+};
+MadeRun make_run(const RunConfig& config);
+
+}  // namespace headroom

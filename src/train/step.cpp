@@ -1,0 +1,95 @@
+#include "train/step.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "device/autocast_adapter.h"
+#include "train/step_ops.h"
+
+namespace headroom {
+
+MicroBatch load_micro_batch(Run& run, const StepShape& s, int64_t m) {
+  auto phase = run.monitor->phase(Phase::data);
+  const int64_t first = m * s.micro, rows = std::min(s.micro, s.global_rows - first);
+  const Batch b = run.data->train_batch(run.config.seed, s.step, first, rows);
+  const double weight = static_cast<double>(rows) / static_cast<double>(s.global_rows);
+  return {b.inputs.to(run.device), b.targets.to(run.device), weight};
+}
+
+at::Tensor forward_loss(Run& run, const MicroBatch& b) {
+  auto phase = run.monitor->phase(Phase::forward);
+  const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
+  const at::Tensor logits = run.model->forward(b.inputs, run.forward);
+  if (run.config.inject_leak == LeakInjection::keep_outputs) run.leaked_outputs.push_back(logits.detach());
+  at::Tensor loss = token_loss(logits, b.targets);
+  if (run.config.inject_leak == LeakInjection::keep_graph) {
+    run.leaked_loss = run.leaked_loss.defined() ? run.leaked_loss + loss : loss;
+  }
+  return loss;
+}
+
+void backward_loss(Run& run, const at::Tensor& loss, double weight) {
+  auto phase = run.monitor->phase(Phase::backward);
+  // Token-weighted: the micro-batches' weighted losses sum to the global batch's mean loss.
+  const at::Tensor weighted = loss * weight;
+  // A planted keep-graph leak retains each step's graph, as the "fix" for backward complaining
+  // about the summed losses' freed graph does.
+  (run.scaler ? run.scaler->scale(weighted) : weighted)
+      .backward({}, /*retain_graph=*/run.config.inject_leak == LeakInjection::keep_graph);
+}
+
+void update(Run& run, double lr, StepOutcome& out) {
+  auto phase = run.monitor->phase(Phase::optimizer);
+  if (run.scaler) {
+    // fp16: gradients back to their true scale first; a step with an inf or NaN is skipped.
+    std::vector<at::Tensor> grads;
+    for (const auto& p : run.parameters()) {
+      if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
+    }
+    out.skipped = run.scaler->unscale(grads);
+  }
+  if (!out.skipped) {
+    out.grad_norm = clip_grad_norm(run.parameters(), run.config.grad_clip);
+    out.update_started = true;
+    run.optimizer->step(lr);
+  }
+  if (run.scaler) run.scaler->update();
+}
+
+void clear_gradients(Run& run) {
+  auto phase = run.monitor->phase(Phase::zero_grad);
+  zero_grad(run.parameters());
+}
+
+void run_step(Run& run, const StepShape& shape, StepOutcome& out) {
+  seed_step(run.config.seed, shape.step);
+  out = StepOutcome{};
+  for (int64_t m = 0; m < shape.accum(); ++m) {
+    const MicroBatch batch = load_micro_batch(run, shape, m);
+    const at::Tensor loss = forward_loss(run, batch);
+    backward_loss(run, loss, batch.weight);
+    out.loss += loss.item<double>() * batch.weight;
+  }
+  update(run, run.schedule.at(shape.step), out);
+  clear_gradients(run);
+}
+
+double evaluate(Run& run, int64_t rows) {
+  if (run.config.eval_rows == 0) return std::numeric_limits<double>::quiet_NaN();
+  const c10::NoGradGuard no_grad;
+  const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}};
+  double loss_sum = 0;
+  int64_t tokens = 0;
+  for (const Batch& b : run.data->eval_batches(rows, run.config.eval_rows)) {
+    const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
+    const at::Tensor logits = run.model->forward(b.inputs.to(run.device), eval_forward);
+    loss_sum += token_loss(logits, b.targets.to(run.device)).item<double>() * static_cast<double>(b.tokens());
+    tokens += b.tokens();
+  }
+  return loss_sum / static_cast<double>(tokens);
+}
+
+}  // namespace headroom

@@ -1,0 +1,35 @@
+// StepRecord — what one optimizer step did: its loss, shape, time and memory. The trainer returns
+// them (TrainResult::steps), the metrics log writes them (train/metrics_log.h documents the fields
+// as written), the doctor reads them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "memory/memory_monitor.h"
+
+namespace headroom {
+
+struct StepRecord {
+  int64_t step = 0;  // 1-based
+  double loss = 0;
+  int64_t tokens = 0;
+  double seconds = 0;
+  int64_t peak_bytes = 0;
+  int64_t live_bytes = 0;  // after the step
+  double lr = 0;
+  double grad_norm = 0;
+  int64_t batch = 0;  // micro-batch the step ran with
+  int64_t accum = 0;
+  int64_t oom_recoveries = 0;
+  StepMemory memory;  // per phase: live in and out, peak, breakdown at the peak
+  bool skipped = false;
+  std::optional<double> loss_scale;
+  std::optional<double> eval_loss;
+
+  // The step's peak above what was live when it began (what the leak detector calls transient).
+  int64_t transient_bytes() const { return peak_bytes - memory.phases[0].live_in; }
+};
+
+}  // namespace headroom
