@@ -1,13 +1,12 @@
 // headroom_cuda_check — run by scripts/gpu-check on a GPU machine: trains a few steps on cuda, then
 // prints the CUDA adapter's readings as one JSON object and checks them against each other and
 // against NVML. Exit 0: all checks hold; 1: a check failed (listed); 2: no GPU here.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
-#include <ATen/ATen.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -41,15 +40,23 @@ int main() {
   const CudaDeviceMemory dev = cuda_device_memory(0);
   const NvmlReading nv = nvml_read(0);
   out["train"] = {{"peak_bytes", s.peak_bytes}, {"tokens_per_s", s.tokens_per_s}, {"final_loss", s.final_loss}};
-  out["stats"] = {{"allocated", st.allocated_bytes},         {"peak_allocated", st.peak_allocated_bytes},
-                  {"reserved", st.reserved_bytes},           {"peak_reserved", st.peak_reserved_bytes},
-                  {"active", st.active_bytes},               {"peak_active", st.peak_active_bytes},
-                  {"inactive_split", st.inactive_split_bytes}, {"requested", st.requested_bytes},
-                  {"peak_requested", st.peak_requested_bytes}, {"alloc_retries", st.alloc_retries},
+  out["stats"] = {{"allocated", st.allocated_bytes},
+                  {"peak_allocated", st.peak_allocated_bytes},
+                  {"reserved", st.reserved_bytes},
+                  {"peak_reserved", st.peak_reserved_bytes},
+                  {"active", st.active_bytes},
+                  {"peak_active", st.peak_active_bytes},
+                  {"inactive_split", st.inactive_split_bytes},
+                  {"requested", st.requested_bytes},
+                  {"peak_requested", st.peak_requested_bytes},
+                  {"alloc_retries", st.alloc_retries},
                   {"ooms", st.ooms}};
   out["device"] = {{"free", dev.free_bytes}, {"total", dev.total_bytes}};
-  out["nvml"] = {{"available", nv.available}, {"why_not", nv.why_not}, {"device_used", nv.device_used_bytes},
-                 {"device_total", nv.device_total_bytes}, {"process_used", nv.process_used_bytes}};
+  out["nvml"] = {{"available", nv.available},
+                 {"why_not", nv.why_not},
+                 {"device_used", nv.device_used_bytes},
+                 {"device_total", nv.device_total_bytes},
+                 {"process_used", nv.process_used_bytes}};
 
   check(st.allocated_bytes <= st.reserved_bytes, "allocated <= reserved");
   check(st.peak_allocated_bytes <= st.peak_reserved_bytes, "peak allocated <= peak reserved");

@@ -9,6 +9,7 @@
 #include "device/device.h"
 #include "doctor/doctor.h"
 #include "doctor/report_html.h"
+#include "util/atomic_file.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -54,10 +55,7 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
         if (!cfg.quiet) fmt::print(stderr, "doctor: {}\n", line);
       });
       if (!pending.path.empty()) {
-        const std::string html = report_html(r);
-        std::FILE* f = std::fopen(pending.path.c_str(), "w");
-        const bool ok = f != nullptr && std::fwrite(html.data(), 1, html.size(), f) == html.size();
-        if (f == nullptr || std::fclose(f) != 0 || !ok) fail("--report: writing '{}' failed", pending.path);
+        write_file_atomically(pending.path, report_html(r), "--report");
         pending.written = true;
         if (!cfg.quiet) fmt::print(stderr, "doctor: report written to {}\n", pending.path);
         if (!cfg.quiet && !r.snapshot.empty()) {

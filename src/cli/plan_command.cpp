@@ -27,7 +27,8 @@ struct PlanOptions {
 // The planner with the cost model calibrated on this machine (unless --no-calibrate).
 PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& request) {
   CostModel::StepTimer timer;
-  if (o.calibrate) timer = [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); };
+  if (o.calibrate)
+    timer = [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); };
   return plan_with_calibration(request, timer, {}, [&cfg](const std::string& line) {
     if (!cfg.quiet) fmt::print(stderr, "{}...\n", line);
   });
@@ -63,8 +64,7 @@ RunConfig choose_plan(const RunConfig& cfg) {
   if (result.plans.empty()) nothing_fits(result, r, false);
   const Plan& best = result.plans.front();
   if (!cfg.quiet) {
-    fmt::print(stderr,
-               "plan: {} — predicted peak {} of {} (best of {} that fit, {} considered)\n", best.describe(),
+    fmt::print(stderr, "plan: {} — predicted peak {} of {} (best of {} that fit, {} considered)\n", best.describe(),
                format_bytes(best.predicted_peak_bytes), format_bytes(r.budget), result.plans.size(), result.considered);
   }
   return with_plan(cfg, best);

@@ -26,8 +26,10 @@ CheckpointPolicy parse_checkpoint_policy(const std::string& text) {
     const auto [ptr, ec] = std::from_chars(text.data() + 6, end, k);
     if (ec == std::errc() && ptr == end && k >= 1) return CheckpointPolicy::every_kth(k);
   }
-  fail("--checkpointing '{}': accepted: none, selective (attention only), full (every layer), every:K "
-       "(layers 0, K, 2K, ...; K >= 1)", text);
+  fail(
+      "--checkpointing '{}': accepted: none, selective (attention only), full (every layer), every:K "
+      "(layers 0, K, 2K, ...; K >= 1)",
+      text);
 }
 
 }  // namespace headroom

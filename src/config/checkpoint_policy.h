@@ -16,9 +16,7 @@ struct CheckpointPolicy {
   Kind kind = Kind::none;
   int64_t every = 1;  // K, for Kind::every (at least 2)
 
-  bool whole_layer(int64_t layer) const {
-    return kind == Kind::full || (kind == Kind::every && layer % every == 0);
-  }
+  bool whole_layer(int64_t layer) const { return kind == Kind::full || (kind == Kind::every && layer % every == 0); }
   bool attention_only() const { return kind == Kind::selective; }
   std::string name() const;  // "none", "selective", "every:4", "full"
 

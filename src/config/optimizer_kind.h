@@ -9,8 +9,8 @@ namespace headroom {
 enum class OptimizerKind { sgd, momentum, adam, adamw, adagrad, adafactor };
 
 // Every kind, in the order --help lists them.
-inline constexpr OptimizerKind kOptimizerKinds[] = {OptimizerKind::sgd,   OptimizerKind::momentum,
-                                                    OptimizerKind::adam,  OptimizerKind::adamw,
+inline constexpr OptimizerKind kOptimizerKinds[] = {OptimizerKind::sgd,     OptimizerKind::momentum,
+                                                    OptimizerKind::adam,    OptimizerKind::adamw,
                                                     OptimizerKind::adagrad, OptimizerKind::adafactor};
 
 const char* optimizer_name(OptimizerKind kind);

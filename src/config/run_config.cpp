@@ -66,7 +66,8 @@ RunField text(std::string key, std::string help, std::string RunConfig::*member)
 // A setting with named values, parsed once into its type.
 template <typename T>
 RunField choice(std::string key, std::string help, T RunConfig::*member, T (*parse)(const std::string&)) {
-  return {key, Kind::text, std::move(help), [member, parse](RunConfig& c, const std::string& s) { c.*member = parse(s); }};
+  return {key, Kind::text, std::move(help),
+          [member, parse](RunConfig& c, const std::string& s) { c.*member = parse(s); }};
 }
 RunField flag(std::string key, std::string help, bool RunConfig::*member) {
   return {key, Kind::flag, std::move(help),

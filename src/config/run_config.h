@@ -2,10 +2,10 @@
 //
 // Typed: each setting is parsed once, where it enters (a flag or a TOML key, through the field
 // table), and printed by name only at output; the levers' settings are the enums and structs of
-// config/ (Precision, OptimizerKind, CheckpointPolicy, AttentionPath). Sources, in increasing precedence: the defaults below, a TOML file (--config run.toml, keys named
-// as the long flags: `steps = 200`, `set = ["num_hidden_layers=2"]`), then command-line flags. The
-// field table (run_fields) is the one list of settings; the CLI and the TOML reader both use it, so
-// a setting cannot exist in one and not the other.
+// config/ (Precision, OptimizerKind, CheckpointPolicy, AttentionPath). Sources, in increasing precedence: the defaults
+// below, a TOML file (--config run.toml, keys named as the long flags: `steps = 200`, `set = ["num_hidden_layers=2"]`),
+// then command-line flags. The field table (run_fields) is the one list of settings; the CLI and the TOML reader both
+// use it, so a setting cannot exist in one and not the other.
 #pragma once
 
 #include <cstdint>

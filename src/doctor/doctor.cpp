@@ -94,8 +94,8 @@ LeverTrial empty_cache_trial(const RunConfig& reference, int device, int64_t bud
       "returned {} of {} reserved to the driver in {:.1f} ms ({} still allocated); the step after it, timed "
       "against one on the warm cache, reserves its blocks again; it lowers what the process holds between "
       "steps, not the step's peak",
-      format_bytes(before.reserved_bytes - after.reserved_bytes), format_bytes(before.reserved_bytes),
-      1e3 * seconds, format_bytes(after.allocated_bytes));
+      format_bytes(before.reserved_bytes - after.reserved_bytes), format_bytes(before.reserved_bytes), 1e3 * seconds,
+      format_bytes(after.allocated_bytes));
   return l;
 }
 

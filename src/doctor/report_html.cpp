@@ -208,9 +208,10 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
         "<p id=\"plan\">Micro-batch {} × accum {}, {}, checkpointing {}, {} attention, {} — predicted "
         "peak {}; trained for 3 steps: peak {} of {} (<span class=\"{}\">{}</span>). {}.</p>\n",
         r.plan.batch, r.plan.accum, escape(precision_name(r.plan.precision)), escape(r.plan.checkpointing.name()),
-        escape(attention_path_name(r.plan.attention)), escape(optimizer_name(r.plan.optimizer)), escape(format_bytes(r.plan.predicted_peak_bytes)),
-        escape(format_bytes(r.verified_peak_bytes)), escape(format_bytes(r.budget)), r.plan_verified ? "good" : "bad",
-        r.plan_verified ? "fits" : "did not fit", escape(r.plan_note));
+        escape(attention_path_name(r.plan.attention)), escape(optimizer_name(r.plan.optimizer)),
+        escape(format_bytes(r.plan.predicted_peak_bytes)), escape(format_bytes(r.verified_peak_bytes)),
+        escape(format_bytes(r.budget)), r.plan_verified ? "good" : "bad", r.plan_verified ? "fits" : "did not fit",
+        escape(r.plan_note));
     html += "<p>Memory through each phase of those steps:</p>\n" + timeline_svg(r) + "\n";
     if (!r.snapshot.empty()) {
       html += "<p>PyTorch's memory snapshot of these steps: <code>" + escape(r.snapshot) +

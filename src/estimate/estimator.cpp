@@ -597,7 +597,8 @@ void StepSim::setup() {
                              mem_.label("dataset", Category::other, "the corpus in host memory, 1 B per token"));
   }
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
-  shapes_ = std::make_unique<CausalLM>(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0);
+  shapes_ =
+      std::make_unique<CausalLM>(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0);
   for (const auto& np : shapes_->parameters()) {
     if (params_.count(np.name) != 0) continue;  // a tied head repeats the embedding
     Param prm;
@@ -637,14 +638,16 @@ Estimate StepSim::run() {
       break;
   }
   const int st = mem_.label("optimizer state", Category::optimizer, formula);
-  const int working = mem_.label("optimizer working memory", Category::optimizer,
-                                 "scratch the optimizer keeps between steps (adafactor: float32, the largest parameter)");
+  const int working =
+      mem_.label("optimizer working memory", Category::optimizer,
+                 "scratch the optimizer keeps between steps (adafactor: float32, the largest parameter)");
   // The trainer's own optimizer class, built over the meta-device parameters: its state tensors
   // are what the trainer allocates, tensor by tensor, and nothing is allocated here.
   std::vector<Ref> state;
   {
     const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, shapes_->parameters(), OptimizerOptions{});
-    for (const NamedTensor& t : real->state()) state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), st));
+    for (const NamedTensor& t : real->state())
+      state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), st));
     for (const at::Tensor& t : real->working_memory()) {
       state.push_back(mem_.allocate(static_cast<int64_t>(t.nbytes()), working));
     }

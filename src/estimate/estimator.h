@@ -20,13 +20,13 @@
 #include <string>
 #include <vector>
 
+#include "config/attention_path.h"
+#include "config/checkpoint_policy.h"
 #include "config/model_config.h"
+#include "config/optimizer_kind.h"
 #include "config/precision.h"
 #include "estimate/sim.h"
 #include "memory/phase.h"
-#include "config/attention_path.h"
-#include "config/checkpoint_policy.h"
-#include "config/optimizer_kind.h"
 
 namespace headroom {
 

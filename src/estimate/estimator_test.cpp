@@ -13,10 +13,10 @@
 #include "config/run_config.h"
 #include "memory/budget_allocator.h"
 #include "model/causal_lm.h"
-#include "testing/test_models.h"
 #include "testing/estimate_grid.h"
 #include "testing/jsonl.h"
 #include "testing/temp_dir.h"
+#include "testing/test_models.h"
 #include "train/trainer.h"
 
 namespace headroom {

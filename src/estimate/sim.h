@@ -121,14 +121,14 @@ class Memory {
 // AccumulateGrad once all its uses have arrived: taken over as .grad (or copied, when shared) the
 // first time, added into .grad after that.
 struct GradSlot {
-  Ref grad;   // the input buffer; a parameter's .grad
+  Ref grad;  // the input buffer; a parameter's .grad
   bool grad_is_view = false;
   int64_t numel = 0;
   int elem = 4;
   int param_label = -1;  // >= 0: a parameter's .grad, kept across micro-batches under this label
   int uses = 1;          // parameters: gradients that arrive per backward (a tied embedding: 2)
   int arrived = 0;
-  Ref pending;           // parameters used more than once: their input buffer until all arrive
+  Ref pending;  // parameters used more than once: their input buffer until all arrive
   bool pending_is_view = false;
 };
 using SlotPtr = std::shared_ptr<GradSlot>;

@@ -1,5 +1,6 @@
-// CachePolicy — when the CUDA caching allocator's own levers help (lever 2's cousin: memory that is
-// reserved but not usable), decided from its measured statistics, never on every step.
+// Cache policy (after_oom, empty_cache_after_reshape) — when the CUDA caching allocator's own
+// levers help (lever 2's cousin: memory that is reserved but not usable), decided from its
+// measured statistics, never on every step.
 //
 // PyTorch's allocator already frees unused cached segments and retries before it raises an OOM, so
 // after one, what can still stand between the request and the memory is fragmentation: free bytes

@@ -1,4 +1,5 @@
-// LeakDetector — does memory grow from step to step (lever 2), and what is it made of?
+// Leak detection (judge_growth, leak_sites) — does memory grow from step to step (lever 2), and
+// what is it made of?
 //
 // The verdict comes from the live bytes after each step: the warm-up steps are dropped (the first
 // optimizer step allocates state, autocast and the allocator warm up), then a robust slope

@@ -4,8 +4,8 @@
 
 #include "device/cuda_adapter.h"
 #include "testing/test_models.h"
-#include "util/error.h"
 #include "train/trainer.h"
+#include "util/error.h"
 
 namespace headroom {
 namespace {
@@ -116,7 +116,8 @@ TEST(LeakDetector, NoFalseAlarmOnCleanRunsOfEveryFamilyAndPrecision) {
       const LeakVerdict v = judge_growth(run.live_series());
       const char* name = precision_name(precision);
       EXPECT_FALSE(v.detected) << m.label << " " << name << ": " << v.reason;
-      EXPECT_TRUE(run.summary.surviving.empty()) << m.label << " " << name << ": " << run.summary.surviving[0].description;
+      EXPECT_TRUE(run.summary.surviving.empty())
+          << m.label << " " << name << ": " << run.summary.surviving[0].description;
     }
   }
 }

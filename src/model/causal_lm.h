@@ -23,7 +23,7 @@ namespace headroom {
 
 struct ForwardOptions {
   AttentionPath attention = AttentionPath::flash;
-  bool training = true;  // dropout on
+  bool training = true;         // dropout on
   CheckpointPolicy checkpoint;  // applies only while gradients are being recorded
 };
 

@@ -1,8 +1,7 @@
 #include "model/causal_lm.h"
 
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 
@@ -73,9 +72,9 @@ INSTANTIATE_TEST_SUITE_P(Families, EveryFamily, ::testing::ValuesIn(shrunk_model
 
 TEST(CausalLM, SlidingWindowLimitsWhatAPositionSees) {
   // One layer, window 4: position t sees t-3..t, so token 0 reaches positions 0..3 only.
-  auto c = load_model_config("mistral-7b", {"hidden_size=32", "intermediate_size=64", "num_attention_heads=2",
-                                            "num_key_value_heads=1", "num_hidden_layers=1", "vocab_size=256",
-                                            "head_dim=16", "sliding_window=4"});
+  auto c = load_model_config(
+      "mistral-7b", {"hidden_size=32", "intermediate_size=64", "num_attention_heads=2", "num_key_value_heads=1",
+                     "num_hidden_layers=1", "vocab_size=256", "head_dim=16", "sliding_window=4"});
   CausalLM model(c, kCpu, 4);
   auto ids = at::randint(0, 256, {1, 10}, at::TensorOptions().dtype(at::kLong));
   auto changed = ids.clone();
@@ -117,7 +116,7 @@ TEST(Rotary, Llama3ScalingMatchesItsDefinition) {
   EXPECT_NEAR(f[31], last / 32.0, last * 1e-12);
   // A medium band entry blends: between f/32 and f.
   const double mid = 1.0 / std::pow(500000.0, 2.0 * 12 / 64.0);  // wavelength ~ 2*pi*500000^(24/64) ~ 853
-  EXPECT_DOUBLE_EQ(f[12], mid);                                    // 853 < 2048: still high frequency
+  EXPECT_DOUBLE_EQ(f[12], mid);                                  // 853 < 2048: still high frequency
   // Entry 16: wavelength ~4443, inside (2048, 8192): smooth = (8192 / wavelength - 1) / (4 - 1).
   const double f16 = 1.0 / std::pow(500000.0, 32.0 / 64.0);
   const double smooth = (8192.0 / (2 * M_PI / f16) - 1.0) / 3.0;

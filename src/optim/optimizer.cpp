@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-
 #include "optim/optimizers.h"
 #include "util/error.h"
 #include "util/tensor_bytes.h"

@@ -41,12 +41,12 @@ class Optimizer {
 // PyTorch's optimizer of the same name: decoupled (p *= 1 - lr * wd) for adamw and adafactor, an L2
 // term added to the gradient for sgd, momentum, adam and adagrad.
 struct OptimizerOptions {
-  double beta1 = 0.9;          // adam, adamw
-  double beta2 = 0.95;         // adam, adamw
-  double eps = 1e-8;           // adam, adamw; adagrad uses 1e-10 as PyTorch does
+  double beta1 = 0.9;   // adam, adamw
+  double beta2 = 0.95;  // adam, adamw
+  double eps = 1e-8;    // adam, adamw; adagrad uses 1e-10 as PyTorch does
   double weight_decay = 0.0;
-  double momentum = 0.9;       // momentum
-  double beta2_decay = -0.8;   // adafactor: beta2_t = 1 - step^beta2_decay
+  double momentum = 0.9;      // momentum
+  double beta2_decay = -0.8;  // adafactor: beta2_t = 1 - step^beta2_decay
   double adafactor_eps2 = 1e-3;
   double adafactor_clip = 1.0;  // d: the update's RMS is clipped to this
 };

@@ -63,7 +63,7 @@ CostModel CostModel::with_ratios(const CostModel& anchor, Precision measured,
 }
 
 std::optional<CostModel> CostModel::calibrate(const RunConfig& base, const std::vector<Precision>& precisions,
-                                             int64_t larger, const StepTimer& time_step, int timed) {
+                                              int64_t larger, const StepTimer& time_step, int timed) {
   CostModel m;
   if (precisions.empty()) return m;
   const ModelConfig model = load_model_config(base.model, base.overrides);

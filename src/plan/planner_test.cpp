@@ -97,9 +97,8 @@ TEST(CostModel, CountsRecomputeAndTheFixedCostOfEachMicroBatch) {
   EXPECT_LT(f_none, micro_batch_flops(m, 4, 64, none, AttentionPath::math));
 
   const std::optional<CostModel> calibrated =
-      CostModel::calibrate(base, {Precision::fp32}, 4, [&](Precision p, int64_t rows, int timed) {
-        return time_train_step(base, p, rows, timed);
-      });
+      CostModel::calibrate(base, {Precision::fp32}, 4,
+                           [&](Precision p, int64_t rows, int timed) { return time_train_step(base, p, rows, timed); });
   ASSERT_TRUE(calibrated && calibrated->calibrated());
   const CostModel& cost = *calibrated;
   const StepTimeFit fit = cost.fits().at(Precision::fp32);

@@ -21,8 +21,12 @@ struct ShrunkModel {
 inline void PrintTo(const ShrunkModel& m, std::ostream* os) { *os << m.label; }
 
 inline std::vector<ShrunkModel> shrunk_models() {
-  const std::vector<std::string> llama_like = {"hidden_size=64",  "intermediate_size=128", "num_attention_heads=4",
-                                               "num_key_value_heads=2", "num_hidden_layers=2", "vocab_size=256",
+  const std::vector<std::string> llama_like = {"hidden_size=64",
+                                               "intermediate_size=128",
+                                               "num_attention_heads=4",
+                                               "num_key_value_heads=2",
+                                               "num_hidden_layers=2",
+                                               "vocab_size=256",
                                                "head_dim=16"};
   auto with = [](std::vector<std::string> base, std::vector<std::string> extra) {
     base.insert(base.end(), extra.begin(), extra.end());
@@ -33,7 +37,8 @@ inline std::vector<ShrunkModel> shrunk_models() {
       {"llama", "llama-3.2-1b", llama_like},
       {"mistral", "mistral-7b", with(llama_like, {"sliding_window=8"})},
       {"qwen2", "qwen2.5-0.5b", llama_like},
-      {"gpt_neox", "pythia-160m",
+      {"gpt_neox",
+       "pythia-160m",
        {"hidden_size=64", "intermediate_size=256", "num_attention_heads=4", "num_hidden_layers=2", "vocab_size=256"}},
   };
 }

@@ -13,14 +13,19 @@
 #include <fstream>
 #include <map>
 
+#include "util/atomic_file.h"
 #include "util/error.h"
 #include "util/json.h"
 
 namespace headroom {
 namespace {
 
-constexpr char kMagic[8] = {'H', 'R', 'C', 'K', 'P', 'T', '0', '1'};
-constexpr const char* kFormat = "headroom-checkpoint-1";
+// Format 2: the footer is checksummed too, and names the optimizer.
+constexpr char kMagic[8] = {'H', 'R', 'C', 'K', 'P', 'T', '0', '2'};
+constexpr char kMagicV1[8] = {'H', 'R', 'C', 'K', 'P', 'T', '0', '1'};
+constexpr const char* kFormat = "headroom-checkpoint-2";
+constexpr const char* kFormatV1 = "headroom-checkpoint-1";
+constexpr uint64_t kTrailer = 24;  // footer length, footer checksum, end marker
 
 uint64_t fnv1a(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
   const auto* p = static_cast<const unsigned char*>(data);
@@ -32,27 +37,6 @@ uint64_t fnv1a(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
 }
 
 std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
-
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const auto* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail("checkpoint: writing '{}' failed: {}", path, std::strerror(errno));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-void fsync_path(const std::string& path, int flags) {
-  const int fd = ::open(path.c_str(), flags);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
 
 }  // namespace
 
@@ -80,30 +64,16 @@ void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const s
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) fail("--checkpoint: cannot create directory '{}': {}", dir, ec.message());
-  const std::string final_path = checkpoint_file(dir);
-  const std::string tmp_path = final_path + ".tmp";
-  const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail("--checkpoint: cannot write '{}': {}", tmp_path, std::strerror(errno));
-  // Until the rename, a failure closes the descriptor and removes the partial file; the previous
-  // checkpoint is untouched either way.
-  struct PartialFile {
-    int fd;
-    std::string path;
-    bool done = false;
-    ~PartialFile() {
-      if (fd >= 0) ::close(fd);
-      if (!done) ::unlink(path.c_str());
-    }
-  } partial{fd, tmp_path};
-
+  // Until commit(), the previous checkpoint is untouched; a failure removes the partial file.
+  AtomicFile file(checkpoint_file(dir), "--checkpoint");
   nlohmann::json tensors = nlohmann::json::array();
   uint64_t offset = sizeof(kMagic);
-  write_all(fd, kMagic, sizeof(kMagic), tmp_path);
+  file.write(kMagic, sizeof(kMagic));
   auto write_group = [&](const char* group, const std::vector<NamedTensor>& list) {
     for (const auto& [name, tensor] : list) {
       at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
       const size_t n = t.nbytes();
-      write_all(fd, t.data_ptr(), n, tmp_path);
+      file.write(t.data_ptr(), n);
       tensors.push_back({{"group", group},
                          {"name", name},
                          {"dtype", std::string(c10::toString(t.scalar_type()))},
@@ -116,22 +86,16 @@ void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const s
   };
   write_group("model", model);
   write_group("optimizer", optimizer);
-  const nlohmann::json footer = {{"format", kFormat},   {"step", info.step},
-                                 {"seed", info.seed},   {"total_steps", info.total_steps},
-                                 {"model", info.model}, {"tensors", tensors}};
+  const nlohmann::json footer = {
+      {"format", kFormat},           {"step", info.step},   {"seed", info.seed}, {"total_steps", info.total_steps},
+      {"optimizer", info.optimizer}, {"model", info.model}, {"tensors", tensors}};
   const std::string text = dump_json(footer);
-  const uint64_t length = text.size();
-  write_all(fd, text.data(), text.size(), tmp_path);
-  write_all(fd, &length, sizeof(length), tmp_path);
-  write_all(fd, kMagic, sizeof(kMagic), tmp_path);
-  if (::fsync(fd) != 0) fail("checkpoint: flushing '{}' failed: {}", tmp_path, std::strerror(errno));
-  partial.fd = -1;
-  if (::close(fd) != 0) fail("checkpoint: closing '{}' failed: {}", tmp_path, std::strerror(errno));
-  if (std::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
-    fail("checkpoint: renaming '{}' to '{}' failed: {}", tmp_path, final_path, std::strerror(errno));
-  }
-  partial.done = true;
-  fsync_path(dir, O_RDONLY | O_DIRECTORY);
+  const uint64_t length = text.size(), checksum = fnv1a(text.data(), text.size());
+  file.write(text);
+  file.write(&length, sizeof(length));
+  file.write(&checksum, sizeof(checksum));
+  file.write(kMagic, sizeof(kMagic));
+  file.commit();
 }
 
 CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
@@ -156,19 +120,28 @@ CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTe
   uint64_t length = 0;
   in.seekg(0);
   in.read(head, 8);
-  if (!in || std::memcmp(head, kMagic, 8) != 0) fail("--resume: '{}' is not a headroom checkpoint", path);
-  if (size < 24) fail("--resume: '{}' is truncated ({} bytes)", path, size);
-  in.seekg(static_cast<std::streamoff>(size - 16));
+  // Format 1 (older headroom): the same layout without the footer's checksum, nor the optimizer's name.
+  const bool v1 = in && std::memcmp(head, kMagicV1, 8) == 0;
+  const char* magic = v1 ? kMagicV1 : kMagic;
+  const uint64_t trailer = v1 ? 16 : kTrailer;
+  if (!in || std::memcmp(head, magic, 8) != 0) fail("--resume: '{}' is not a headroom checkpoint", path);
+  if (size < 8 + trailer) fail("--resume: '{}' is truncated ({} bytes)", path, size);
+  uint64_t checksum = 0;
+  in.seekg(static_cast<std::streamoff>(size - trailer));
   in.read(reinterpret_cast<char*>(&length), 8);
+  if (!v1) in.read(reinterpret_cast<char*>(&checksum), 8);
   in.read(tail, 8);
-  if (!in || std::memcmp(tail, kMagic, 8) != 0 || length > size - 24) {
+  if (!in || std::memcmp(tail, magic, 8) != 0 || length > size - 8 - trailer) {
     fail("--resume: '{}' is truncated or corrupt (its end marker is missing)", path);
   }
   std::string text(length, '\0');
-  in.seekg(static_cast<std::streamoff>(size - 16 - length));
+  in.seekg(static_cast<std::streamoff>(size - trailer - length));
   in.read(text.data(), static_cast<std::streamsize>(length));
+  if (!in || (!v1 && fnv1a(text.data(), text.size()) != checksum)) {
+    fail("--resume: '{}' is corrupt: its header (step, seed, model, tensor table) fails its checksum", path);
+  }
   const auto footer = nlohmann::json::parse(text, nullptr, false);
-  if (footer.is_discarded() || footer.value("format", "") != kFormat) {
+  if (footer.is_discarded() || footer.value("format", "") != (v1 ? kFormatV1 : kFormat)) {
     fail("--resume: '{}' has an unreadable header (corrupt, or written by another version)", path);
   }
 
@@ -198,7 +171,9 @@ CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTe
     }
     at::Tensor buffer = at::empty(shape, target.options().device(at::kCPU));
     const uint64_t off = entry.at("offset"), n = entry.at("bytes");
-    if (n != buffer.nbytes() || off + n > size - 16 - length) fail("--resume: '{}' is corrupt (bad offsets)", path);
+    if (n != buffer.nbytes() || off + n > size - trailer - length) {
+      fail("--resume: '{}' is corrupt (bad offsets)", path);
+    }
     in.seekg(static_cast<std::streamoff>(off));
     in.read(static_cast<char*>(buffer.data_ptr()), static_cast<std::streamsize>(n));
     if (!in) fail("--resume: '{}' is truncated (reading '{}')", path, name);
@@ -211,6 +186,7 @@ CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTe
   info.step = footer.at("step");
   info.seed = footer.at("seed");
   info.total_steps = footer.at("total_steps");
+  info.optimizer = footer.value("optimizer", "");
   info.model = footer.at("model");
   return info;
 }

@@ -1,28 +1,30 @@
 // Checkpoints — a training run's full state in one file, written atomically.
 //
 // DIR/checkpoint.hrc holds the model's parameters, the optimizer's state tensors and a JSON footer
-// (format version, step, seed, schedule length, the model config, and per tensor its name, dtype,
-// shape, offset and a 64-bit checksum). Saving writes DIR/checkpoint.hrc.tmp, flushes it to disk and
-// renames it over the old file, so a crash mid-save leaves the previous checkpoint intact. Loading
-// refuses a truncated file, a foreign file, a checksum mismatch and a checkpoint of another model,
-// each with an Error that says which. The RNG needs no saved state: dropout is seeded from
+// (format version, step, seed, schedule length, optimizer, the model config, and per tensor its
+// name, dtype, shape, offset and a 64-bit checksum), itself checksummed. Saving writes it atomically
+// (util/atomic_file.h), so a crash mid-save leaves the previous checkpoint intact. Loading refuses a
+// truncated file, a foreign file, a checksum mismatch (tensors or footer) and a checkpoint of
+// another model, each with an Error that says which. Format-1 checkpoints (older headroom: no
+// footer checksum, no optimizer name) are still read. The RNG needs no saved state: dropout is seeded from
 // (seed, step) at every step, so (seed, step) is the RNG state.
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "util/named_tensor.h"
 
 namespace headroom {
 
 struct CheckpointInfo {
-  int64_t step = 0;         // optimizer steps completed
+  int64_t step = 0;  // optimizer steps completed
   uint64_t seed = 0;
   int64_t total_steps = 0;  // the schedule's length when saved
+  std::string optimizer;    // its name: adam and adamw hold the same tensors, so the name tells them
+                            // apart ("" in a format-1 checkpoint, which did not record it)
   nlohmann::json model;     // the model config.json (with overrides) it was trained with
 };
 

@@ -1,12 +1,10 @@
 #include "train/metrics_log.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "util/atomic_file.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -25,19 +23,10 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> keep_thro
     }
   }
   if (keep_through) {
-    // Rewrite through a temporary file so that a crash here loses nothing.
-    const std::string tmp = path + ".tmp";
-    {
-      std::ofstream t(tmp, std::ios::trunc);
-      for (const auto& line : kept) t << line << '\n';
-      if (!t.flush()) fail("--metrics: cannot write '{}'", tmp);
-    }
-    const int fd = ::open(tmp.c_str(), O_RDONLY);  // on disk before it replaces the old file
-    if (fd >= 0) {
-      ::fsync(fd);
-      ::close(fd);
-    }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("--metrics: cannot replace '{}'", path);
+    // Rewritten atomically, so that a crash here loses nothing.
+    std::string text;
+    for (const auto& line : kept) text += line + '\n';
+    write_file_atomically(path, text, "--metrics");
     out_.open(path, std::ios::app);
   } else {
     out_.open(path, std::ios::trunc);

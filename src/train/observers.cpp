@@ -1,5 +1,6 @@
 #include "train/observers.h"
 
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <chrono>
@@ -19,7 +20,20 @@ class EvalObserver final : public StepObserver {
  public:
   explicit EvalObserver(int64_t every) : every_(every) {}
   void after_step(Run& run, StepRecord& rec, bool last) override {
-    if (due(rec.step, every_, last)) rec.eval_loss = evaluate(run, rec.batch);
+    if (!due(rec.step, every_, last)) return;
+    // Without gradients evaluation needs less than a training step; should it still run out, half
+    // the rows at a time, down to one. A run whose training fits is not ended by its evaluation.
+    for (int64_t rows = rec.batch;; rows = (rows + 1) / 2) {
+      try {
+        rec.eval_loss = evaluate(run, rows);
+        return;
+      } catch (const c10::OutOfMemoryError&) {
+        if (rows == 1) {
+          if (!run.config.quiet) fmt::print(stderr, "step {}: evaluation skipped: out of memory at 1 row\n", rec.step);
+          return;
+        }
+      }
+    }
   }
 
  private:
@@ -33,7 +47,8 @@ class CheckpointObserver final : public StepObserver {
   }
   void after_step(Run& run, StepRecord& rec, bool last) override {
     if (!due(rec.step, every_, last)) return;
-    const CheckpointInfo info{rec.step, run.config.seed, run.config.steps, run.model_config.source};
+    const CheckpointInfo info{rec.step, run.config.seed, run.config.steps, optimizer_name(run.config.optimizer),
+                              run.model_config.source};
     save_checkpoint(dir_, info, run.parameters(), run.optimizer->state());
   }
 

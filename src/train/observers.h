@@ -26,7 +26,8 @@ class StepObserver {
 };
 
 // Evaluation at the step's micro-batch (record.batch), so that a run whose micro-batch the OOM
-// guard lowered evaluates in batches that fit too: every --eval-every steps and at the last.
+// guard lowered evaluates in batches that fit too (and at half of it on an OOM, down to one row;
+// then skipped with a note): every --eval-every steps and at the last.
 std::unique_ptr<StepObserver> eval_observer(int64_t every);
 // --checkpoint DIR: every --checkpoint-every steps and at the last. Checks DIR before the first
 // step (a file, or a directory that cannot be written, is an Error now, not after training).

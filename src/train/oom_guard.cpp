@@ -39,8 +39,7 @@ class InjectionScope {
 
 }  // namespace
 
-OomGuard::OomGuard(Run& run)
-    : run_(run), global_rows_(run.config.batch * run.config.accum), micro_(run.config.batch) {}
+OomGuard::OomGuard(Run& run) : run_(run), global_rows_(run.config.batch * run.config.accum), micro_(run.config.batch) {}
 
 OomReport OomGuard::diagnose(const c10::OutOfMemoryError& e, const StepShape& shape, bool updating) {
   MemoryMonitor& monitor = *run_.monitor;

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -120,6 +121,26 @@ TEST(OomGuard, GivesUpAtMicroBatchOneWithTheDiagnosis) {
   EXPECT_EQ(r.oom->budget, int64_t{40} << 20);
   EXPECT_LE(r.oom->live_after_cleanup, r.oom->live_before_step);  // the failed step's memory is released
   EXPECT_TRUE(r.steps.empty());
+}
+
+// A run the guard rescued must not die on its last step's evaluation, which used to run at the
+// configured micro-batch: tiny at seq 256 in 128 MiB recovers to a smaller micro-batch, and its
+// evaluation (64 held-out rows) runs in batches of that size.
+TEST(OomGuard, EvaluationRunsAtTheMicroBatchTheGuardLoweredTo) {
+  RunConfig cfg = guarded_run();
+  cfg.overrides = {};
+  cfg.steps = 1;
+  cfg.batch = 64;
+  cfg.seq = 256;
+  cfg.eval_rows = 64;
+  cfg.memory_budget = int64_t{128} << 20;
+  const TrainResult r = train(cfg);
+  ASSERT_TRUE(r.fits()) << r.oom->to_text();
+  ASSERT_EQ(r.steps.size(), 1u);
+  EXPECT_LT(r.steps[0].batch, 64);
+  EXPECT_GE(r.steps[0].oom_recoveries, 1);
+  ASSERT_TRUE(r.steps[0].eval_loss.has_value());
+  EXPECT_TRUE(std::isfinite(*r.steps[0].eval_loss));
 }
 
 }  // namespace

@@ -11,8 +11,10 @@
 namespace headroom {
 
 Run::Run(const RunConfig& cfg, const c10::Device& dev)
-    : config(cfg), device(dev), probe(make_memory_probe(dev)), forward{cfg.attention, /*training=*/true,
-                                                                       cfg.checkpointing} {
+    : config(cfg),
+      device(dev),
+      probe(make_memory_probe(dev)),
+      forward{cfg.attention, /*training=*/true, cfg.checkpointing} {
   history_ = !cfg.memory_snapshot.empty();
   // The snapshot's recorder would replace the origin tagger: one or the other.
   origins_ = cfg.leak_origins && dev.is_cuda() && !history_;
@@ -37,7 +39,8 @@ MadeRun make_run(const RunConfig& cfg) {
         "--memory-snapshot needs --device cuda (it is PyTorch's CUDA allocator history); on cpu the metrics "
         "JSONL has the per-phase memory");
   }
-  if (cfg.inject_oom && device.is_cuda()) fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
+  if (cfg.inject_oom && device.is_cuda())
+    fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
 
   auto run = std::make_unique<Run>(cfg, device);
   run->model_config = load_model_config(cfg.model, cfg.overrides);
@@ -76,19 +79,22 @@ MadeRun make_run(const RunConfig& cfg) {
   run->schedule = LrSchedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
 
   Run* r = run.get();
-  run->monitor = std::make_unique<MemoryMonitor>(
-      *run->probe, TrackedTensors{[r] { return r->model->parameter_tensors(); },
-                                  [r] {
-                                    std::vector<at::Tensor> grads;
-                                    for (const auto& p : r->parameters()) grads.push_back(p.tensor.grad());
-                                    return grads;
-                                  },
-                                  [r] {
-                                    std::vector<at::Tensor> state;
-                                    for (const auto& s : r->optimizer->state()) state.push_back(s.tensor);
-                                    for (const auto& t : r->optimizer->working_memory()) state.push_back(t);
-                                    return state;
-                                  }});
+  run->monitor =
+      std::make_unique<MemoryMonitor>(*run->probe, TrackedTensors{[r] { return r->model->parameter_tensors(); },
+                                                                  [r] {
+                                                                    std::vector<at::Tensor> grads;
+                                                                    for (const auto& p : r->parameters())
+                                                                      grads.push_back(p.tensor.grad());
+                                                                    return grads;
+                                                                  },
+                                                                  [r] {
+                                                                    std::vector<at::Tensor> state;
+                                                                    for (const auto& s : r->optimizer->state())
+                                                                      state.push_back(s.tensor);
+                                                                    for (const auto& t : r->optimizer->working_memory())
+                                                                      state.push_back(t);
+                                                                    return state;
+                                                                  }});
   return {std::move(run), std::nullopt};
 }
 

@@ -13,6 +13,7 @@
 #include "train/observers.h"
 #include "train/oom_guard.h"
 #include "train/run.h"
+#include "util/atomic_file.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/size.h"
@@ -51,19 +52,26 @@ int64_t resume(Run& run) {
     fail("--resume: the checkpoint was trained with --seed {}, this run has --seed {}; pass --seed {}", info.seed,
          cfg.seed, info.seed);
   }
+  if (!info.optimizer.empty() && info.optimizer != optimizer_name(cfg.optimizer)) {
+    fail("--resume: the checkpoint was trained with --optimizer {}, this run has --optimizer {}; pass --optimizer {}",
+         info.optimizer, optimizer_name(cfg.optimizer), info.optimizer);
+  }
   const std::string differs = config_difference(info.model, run.model_config.source);
   if (!differs.empty()) {
-    fail("--resume: the checkpoint was trained with a different model config ({}); resume with the same --model and --set",
-         differs);
+    fail(
+        "--resume: the checkpoint was trained with a different model config ({}); resume with the same --model and "
+        "--set",
+        differs);
   }
   if (info.step >= cfg.end_step()) {
     fail("--resume: the checkpoint is at step {}, which is already at or past --{} {}; raise it to train further",
          info.step, cfg.stop_at > 0 ? "stop-at" : "steps", cfg.end_step());
   }
   if (info.total_steps != cfg.steps && !cfg.quiet) {
-    fmt::print(stderr,
-               "note: the checkpoint's schedule was {} steps, this run's is {}; the learning rate follows the new one\n",
-               info.total_steps, cfg.steps);
+    fmt::print(
+        stderr,
+        "note: the checkpoint's schedule was {} steps, this run's is {}; the learning rate follows the new one\n",
+        info.total_steps, cfg.steps);
   }
   return info.step;
 }
@@ -99,14 +107,6 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   r.skipped = g.outcome.skipped;
   if (run.scaler) r.loss_scale = run.scaler->scale_value();
   return r;
-}
-
-void write_snapshot(const std::string& path) {
-  const std::string pickle = cuda_memory_snapshot_pickle();
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) fail("--memory-snapshot: cannot write '{}'", path);
-  const bool ok = std::fwrite(pickle.data(), 1, pickle.size(), f) == pickle.size();
-  if (std::fclose(f) != 0 || !ok) fail("--memory-snapshot: writing '{}' failed", path);
 }
 
 TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepRecord>& steps, double seconds) {
@@ -184,7 +184,9 @@ TrainResult train(const RunConfig& cfg) {
   }
   result.summary = summarize(run, start, result.steps, seconds_since(started));
   // On cuda the allocator's history, with the failure in it when there was one.
-  if (!cfg.memory_snapshot.empty()) write_snapshot(cfg.memory_snapshot);
+  if (!cfg.memory_snapshot.empty()) {
+    write_file_atomically(cfg.memory_snapshot, cuda_memory_snapshot_pickle(), "--memory-snapshot");
+  }
   return result;
 }
 

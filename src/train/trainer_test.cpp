@@ -249,6 +249,24 @@ TEST(Trainer, ResumeRefusesAnotherConfigAndAFinishedRun) {
   other.overrides.push_back("rope_theta=500000");  // same shapes, different model
   EXPECT_THAT([&] { train(other); }, ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
                                          "different model config (rope_theta: checkpoint 10000.0, this run 500000)")));
+  // Adam's state has AdamW's tensors: only the recorded name tells them apart.
+  RunConfig adam = again;
+  adam.steps = 4;
+  adam.optimizer = OptimizerKind::adam;
+  EXPECT_THAT([&] { train(adam); }, ::testing::ThrowsMessage<Error>(::testing::HasSubstr(
+                                        "trained with --optimizer adamw, this run has --optimizer adam")));
+}
+
+TEST(Trainer, ACheckpointPathThatCannotBeWrittenIsRefusedBeforeTheFirstStep) {
+  TempDir dir;
+  const std::string file = dir.file("not-a-dir");
+  { std::ofstream(file) << "x"; }
+  RunConfig cfg = tiny_run(2);
+  cfg.overrides = {"num_hidden_layers=1"};
+  cfg.checkpoint = file;
+  cfg.metrics = dir.file("m.jsonl");
+  EXPECT_THAT([&] { train(cfg); }, ::testing::ThrowsMessage<Error>(::testing::HasSubstr("is a file")));
+  EXPECT_TRUE(read_jsonl(cfg.metrics).empty());  // nothing trained
 }
 
 }  // namespace
