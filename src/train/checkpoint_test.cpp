@@ -134,8 +134,9 @@ TEST(Checkpoint, AFormatOneCheckpointIsStillRead) {
   char head[8] = {};
   in.read(head, 8);
   ASSERT_EQ(std::string(head, 8), "HRCKPT01");
-  EXPECT_THAT([&] { load_checkpoint(dir, target, {}); },
-              ThrowsMessage<Error>(HasSubstr("it was written for a different model or optimizer")));  // read, then compared
+  EXPECT_THAT(
+      [&] { load_checkpoint(dir, target, {}); },
+      ThrowsMessage<Error>(HasSubstr("it was written for a different model or optimizer")));  // read, then compared
 }
 
 TEST(Checkpoint, ADirectoryThatCannotHoldOneIsRefusedBeforeTraining) {

@@ -1,0 +1,371 @@
+#include "estimate/ops.h"
+
+#include <algorithm>
+
+namespace headroom::sim {
+
+Tensor Ops::cast(const Tensor& x, int elem, int label) {
+  if (x.elem == elem) return x;
+  Tensor out = make(x.numel, elem, label, x.requires_grad());
+  g_->record({&out}, {}, [this, x = meta(x)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x)}; });
+  return out;
+}
+
+Tensor Ops::weight_in(const Param& p) {
+  if (!mixed_) return p.t;
+  auto it = cache_->find(&p);
+  if (it != cache_->end()) return it->second;
+  Tensor copy = cast(p.t, 2, copies_);
+  cache_->emplace(&p, copy);
+  return copy;
+}
+
+Tensor Ops::linear(const Tensor& x, const Param& w, const Param* b, int label) {
+  const int64_t rows = x.numel / w.cols;
+  Tensor xi = mixed_ ? cast(x, 2, act("autocast activation copies", "2-byte copies of float32 matmul inputs")) : x;
+  Tensor wi = weight_in(w);
+  Tensor bi = b ? weight_in(*b) : Tensor{};
+  Tensor out = make(rows * w.rows, wi.elem, label);
+  g_->record({&out}, {xi.buf, wi.buf}, [this, xi = meta(xi), wi = meta(wi), bi = meta(bi), b](const std::vector<Ref>&) {
+    // The weight's gradient comes back through the transpose: a view, which an input
+    // buffer cannot add into in place (it matters for a weight used twice: a tied head).
+    Emit w = grad_to(wi);
+    w.view = true;
+    std::vector<Emit> e{grad_to(xi), w};
+    if (b) e.push_back(grad_to(bi));
+    return e;
+  });
+  return out;
+}
+
+Tensor Ops::add(const Tensor& a, const Tensor& b, int label) {
+  Tensor out = make(std::max(a.numel, b.numel), std::max(a.elem, b.elem), label, a.slot || b.slot);
+  g_->record({&out}, {}, [this, a = meta(a), b = meta(b), out = meta(out)](const std::vector<Ref>& in) {
+    std::vector<Emit> e;
+    for (const Tensor* x : {&a, &b}) {
+      if (!x->slot) continue;
+      e.push_back(x->numel == out.numel && x->elem == out.elem ? pass_to(*x, in[0]) : grad_to(*x));
+    }
+    return e;
+  });
+  return out;
+}
+
+Tensor Ops::mul(const Tensor& a, const Tensor& b, int label) {
+  Tensor out = make(std::max(a.numel, b.numel), std::max(a.elem, b.elem), label, a.slot || b.slot);
+  std::vector<Ref> saved;
+  if (b.slot) saved.push_back(a.buf);
+  if (a.slot) saved.push_back(b.buf);
+  g_->record({&out}, std::move(saved), [this, a = meta(a), b = meta(b), out = meta(out)](const std::vector<Ref>&) {
+    std::vector<Emit> e;
+    for (const Tensor* x : {&a, &b}) {
+      if (!x->slot) continue;
+      Ref full = x->numel < out.numel ? g_->scratch(out.bytes()) : nullptr;
+      e.push_back(grad_to(*x));
+    }
+    return e;
+  });
+  return out;
+}
+
+Tensor Ops::scale(const Tensor& x, int label) {
+  Tensor out = make(x.numel, x.elem, label, x.requires_grad());
+  g_->record({&out}, {}, [this, x = meta(x)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x)}; });
+  return out;
+}
+
+Tensor Ops::view(const Tensor& x) {
+  Tensor v = g_->alias(x, x.numel);
+  g_->record({&v}, {}, [x = meta(x)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(x, in[0])}; });
+  return v;
+}
+
+Tensor Ops::slice(const Tensor& x, int64_t numel) {
+  Tensor v = g_->alias(x, numel);
+  g_->record({&v}, {}, [this, x = meta(x)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x)}; });
+  return v;
+}
+
+Tensor Ops::rms_norm(const Tensor& in, const Param& w) {
+  const int64_t rows = in.numel / w.t.numel;
+  const int lbl =
+      act("norm activations", "per norm: float32 input and normalised input, B·T·hidden each, and the output");
+  Tensor x = cast(in, 4, lbl);
+  Tensor sq = make(x.numel, x.elem, tmp_, x.requires_grad());
+  g_->record({&sq}, {x.buf}, [this, x = meta(x)](const std::vector<Ref>&) {
+    Ref a = g_->scratch(x.bytes()), b = g_->scratch(x.bytes());
+    return std::vector<Emit>{grad_to(x)};
+  });
+  Tensor mean = make(rows, x.elem, tmp_, x.requires_grad());
+  g_->record({&mean}, {}, [this, sq = meta(sq)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(sq)}; });
+  sq = Tensor{};
+  Tensor r = make(rows, x.elem, lbl, x.requires_grad());  // rsqrt(mean + eps); the add is in place
+  g_->record({&r}, {r.buf},
+             [this, mean = meta(mean)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(mean)}; });
+  mean = Tensor{};
+  Tensor xn = mul(x, r, lbl);
+  x = r = Tensor{};
+  return cast(mul(xn, w.t, lbl), in.elem, lbl);
+}
+
+Tensor Ops::layer_norm(const Tensor& x, const Param& w, const Param* b) {
+  const int64_t rows = x.numel / w.t.numel;
+  const int lbl = act("norm activations", "normalised output per norm, B·T·hidden, and mean and rstd per row");
+  Tensor out = make(x.numel, x.elem, lbl);
+  Ref mean = mem_.allocate(rows * x.elem, lbl), rstd = mem_.allocate(rows * x.elem, lbl);
+  g_->record({&out}, {x.buf, mean, rstd}, [this, x = meta(x), w, b](const std::vector<Ref>&) {
+    std::vector<Emit> e{grad_to(x), grad_to(w.t)};
+    if (b) e.push_back(grad_to(b->t));
+    return e;
+  });
+  return out;
+}
+
+Tensor Ops::activation(const Tensor& x, bool saves_result) {
+  const int lbl = act("MLP activations", "up/gate projections and activation outputs, B·T·intermediate each");
+  Tensor out = make(x.numel, x.elem, lbl);
+  g_->record({&out}, {saves_result ? out.buf : x.buf},
+             [this, x = meta(x)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x)}; });
+  return out;
+}
+
+Tensor Ops::dropout(const Tensor& x, double p, int label) {
+  if (p <= 0) return x;
+  Tensor mask = make(x.numel, x.elem, act("dropout masks", "one mask per dropout, in the activation dtype"), false);
+  return mul(x, mask, label);
+}
+
+Tensor Ops::rotary(const Tensor& x, int64_t heads, int64_t head_dim, int64_t rd, const Tensor& cos, const Tensor& sin) {
+  const int64_t rows = x.numel / (heads * head_dim);
+  const int64_t half = rd / 2;
+  const bool partial = rd != head_dim;
+  const int lbl = act("attention q, k, v", "queries, keys and values after rotary, as attention saves them");
+  Tensor rot = partial ? slice(x, rows * heads * rd) : x;
+  Tensor hi = slice(rot, rows * heads * half);
+  Tensor neg = make(hi.numel, x.elem, tmp_, hi.requires_grad());
+  g_->record({&neg}, {}, [this, hi = meta(hi)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(hi)}; });
+  Tensor lo = slice(rot, rows * heads * half);
+  Tensor rh = make(rot.numel, x.elem, tmp_, true);
+  g_->record({&rh}, {}, [neg = meta(neg), lo = meta(lo)](const std::vector<Ref>& in) {
+    return std::vector<Emit>{pass_to(neg, in[0]), pass_to(lo, in[0])};
+  });
+  neg = Tensor{};
+  const int table_lbl = act("rotary tables", "cos and sin, seq × rotary_dim");
+  Tensor c = cast(cos, x.elem, table_lbl), s = cast(sin, x.elem, table_lbl);
+  Tensor out = add(mul(rot, c, tmp_), mul(rh, s, tmp_), lbl);
+  if (!partial) return out;
+  Tensor pass = slice(x, rows * heads * (head_dim - rd));
+  Tensor joined = make(x.numel, x.elem, lbl);
+  g_->record({&joined}, {}, [out = meta(out), pass = meta(pass)](const std::vector<Ref>& in) {
+    return std::vector<Emit>{pass_to(out, in[0]), pass_to(pass, in[0])};
+  });
+  return joined;
+}
+
+Ops::Ops(bool mixed) : graph_(mem_), g_(&graph_), mixed_(mixed) {
+  tmp_ = g_->temporaries_label();
+  copies_ = mem_.label("autocast weight copies", Category::weight_copies,
+                       "2-byte copies of the matmul weights, made in forward, kept until their backward");
+}
+
+Tensor Ops::merge_heads(const Tensor& heads_out, int label) {
+  // transpose(1, 2).reshape: a copy into [B, T, heads·head_dim]; its backward reshapes the
+  // gradient back, which copies it too.
+  Tensor y = make(heads_out.numel, heads_out.elem, label);
+  g_->record({&y}, {}, [this, heads_out = meta(heads_out)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(heads_out)};
+  });
+  return y;
+}
+
+Ref Ops::blocked_mask(int64_t t, bool window) {
+  Ref pos = mem_.allocate(t * 8, tmp_);
+  Ref diff = mem_.allocate(t * t * 8, tmp_);
+  Ref blocked = mem_.allocate(t * t, tmp_);
+  if (window) {
+    Ref far = mem_.allocate(t * t, tmp_);
+    blocked = mem_.allocate(t * t, tmp_);
+  }
+  return blocked;
+}
+
+Tensor Ops::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s, bool windowed,
+                            bool copies_output) {
+  const int64_t t = s.seq, qw = s.heads * s.head_dim;
+  const int out_lbl = act("attention outputs", "attention output B·T·heads·head_dim, and its float32 log-sum-exp");
+  const int e = q.elem;
+  Ref mask;
+  if (windowed) {
+    // The boolean mask of allowed positions, which the kernel turns into an additive float32 one:
+    // that is the one it keeps.
+    Ref blocked = blocked_mask(t, true);
+    Ref allowed = mem_.allocate(t * t, tmp_);
+    blocked.reset();
+    mask =
+        mem_.allocate(t * t * 4, act("attention masks", "seq × seq masks: boolean, or float32 for the fused kernel"));
+  }
+  Tensor y = make(s.tokens() * qw, e, out_lbl);
+  Ref lse = mem_.allocate(s.batch * s.heads * t * 4, out_lbl);
+  std::vector<Ref> saved{q.buf, k.buf, v.buf, y.buf, lse};
+  if (mask) saved.push_back(mask);
+  g_->record({&y}, saved, [this, q = meta(q), k = meta(k), v = meta(v)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(q), grad_to(k), grad_to(v)};
+  });
+  // The CPU kernel writes its output in the query's layout: [B, T, heads, hd] for a transposed
+  // projection, where transpose + reshape is a view; a contiguous [B, heads, T, hd] query makes the
+  // reshape copy.
+  if (!copies_output) return y;
+  Tensor copy = make(y.numel, e, out_lbl);
+  g_->record({&copy}, {}, [y = meta(y)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(y, in[0])}; });
+  return copy;
+}
+
+Tensor Ops::math_fallback_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s,
+                                    double dropout_p) {
+  // q and k scaled by sqrt(scale), copied to contiguous batches when B > 1 (as is v), q·kᵀ, + the
+  // causal mask, softmax, dropout, p·v; the output comes back as [B, heads, T, hd], so transpose +
+  // reshape copies it. It computes in float32: 2-byte q, k and v are upcast first, the output cast
+  // back.
+  const int64_t t = s.seq, qw = s.heads * s.head_dim, scores = s.batch * s.heads * t * t;
+  const int qkv_lbl =
+      act("attention q, k, v", "queries, keys and values (after rotary), B·T·(heads + 2·kv_heads)·head_dim");
+  const int out_lbl = act("attention outputs", "attention output B·T·heads·head_dim, and its float32 log-sum-exp");
+  const int lbl = act("attention scores", "B·heads·seq² per matrix kept: softmax, dropout mask and output");
+  const int e = q.elem, ce = 4;
+  auto batched = [&](const Tensor& x) {
+    if (s.batch == 1) return x;
+    Tensor c = make(x.numel, ce, qkv_lbl);
+    g_->record({&c}, {}, [x = meta(x)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(x, in[0])}; });
+    return c;
+  };
+  Tensor q32 = cast(q, ce, qkv_lbl), k32 = cast(k, ce, qkv_lbl), v32 = cast(v, ce, qkv_lbl);
+  Tensor qs = batched(scale(q32, qkv_lbl)), ks = batched(scale(k32, qkv_lbl)), vc = batched(v32);
+  q32 = k32 = v32 = Tensor{};
+  Tensor raw = make(scores, ce, lbl);
+  g_->record({&raw}, {qs.buf, ks.buf}, [this, qs = meta(qs), ks = meta(ks)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(qs), grad_to(ks)};
+  });
+  qs = ks = Tensor{};
+  Ref causal = mem_.allocate(t * t * ce, tmp_);
+  Tensor masked = view(raw);  // + the mask, in place
+  raw = Tensor{};
+  Tensor probs = make(scores, ce, lbl);
+  g_->record({&probs}, {probs.buf},
+             [this, masked = meta(masked)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(masked)}; });
+  {
+    // _safe_softmax checks for rows that are all -inf: a boolean of the scores, and one per row.
+    Ref neginf = mem_.allocate(scores, tmp_), all = mem_.allocate(s.batch * s.heads * t, tmp_);
+  }
+  masked = Tensor{};
+  probs = dropout(probs, dropout_p, lbl);
+  Tensor heads_out = make(s.tokens() * qw, ce, tmp_);
+  g_->record({&heads_out}, {probs.buf, vc.buf}, [this, probs = meta(probs), vc = meta(vc)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(probs), grad_to(vc)};
+  });
+  probs = vc = Tensor{};
+  causal.reset();  // the float32 mask is a local of ATen's math attention, alive until it returns
+  heads_out = cast(heads_out, e, tmp_);
+  return merge_heads(heads_out, out_lbl);
+}
+
+Tensor Ops::explicit_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s,
+                               bool windowed, double dropout_p) {
+  const int64_t t = s.seq, qw = s.heads * s.head_dim, scores = s.batch * s.heads * t * t;
+  const int qkv_lbl =
+      act("attention q, k, v", "queries, keys and values (after rotary), B·T·(heads + 2·kv_heads)·head_dim");
+  const int out_lbl = act("attention outputs", "attention output B·T·heads·head_dim, and its float32 log-sum-exp");
+  const int lbl = act("attention scores", "B·heads·seq² score and probability matrices kept for backward");
+  const int e = q.elem;
+  const int64_t groups = s.heads / s.kv_heads;
+  Tensor kk = k, vv = v;
+  if (groups > 1) {
+    kk = make(s.tokens() * qw, e, qkv_lbl);
+    g_->record({&kk}, {}, [this, k = meta(k)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(k)}; });
+    vv = make(s.tokens() * qw, e, qkv_lbl);
+    g_->record({&vv}, {}, [this, v = meta(v)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(v)}; });
+  }
+  // matmul folds [B, heads] into one batch dimension: transposed views are copied first.
+  Tensor qc = make(q.numel, e, qkv_lbl);
+  g_->record({&qc}, {}, [q = meta(q)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(q, in[0])}; });
+  Tensor kc = make(kk.numel, e, qkv_lbl);
+  g_->record({&kc}, {}, [kk = meta(kk)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(kk, in[0])}; });
+  Tensor raw = make(scores, e, lbl);
+  g_->record({&raw}, {qc.buf, kc.buf}, [this, qc = meta(qc), kc = meta(kc)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(qc), grad_to(kc)};
+  });
+  qc = kc = kk = Tensor{};
+  Tensor scaled = scale(raw, lbl);
+  raw = Tensor{};
+  Ref blocked = blocked_mask(t, windowed);
+  Ref mask = mem_.allocate(t * t, act("attention masks", "boolean seq × seq masks"));
+  blocked.reset();
+  Tensor masked = make(scores, e, lbl);
+  g_->record({&masked}, {mask},
+             [this, scaled = meta(scaled)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(scaled)}; });
+  scaled = Tensor{};
+  // `scores` (the masked matrix) is a local of causal_attention: it lives until the function returns.
+  Tensor in32 = cast(masked, 4, lbl);
+  Tensor probs32 = make(scores, 4, lbl);
+  g_->record({&probs32}, {probs32.buf},
+             [this, in32 = meta(in32)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(in32)}; });
+  in32 = Tensor{};
+  Tensor probs = cast(probs32, e, lbl);
+  probs32 = Tensor{};
+  if (dropout_p > 0) probs = dropout(probs, dropout_p, lbl);
+  Tensor vc = vv;
+  if (groups == 1) {
+    vc = make(vv.numel, e, qkv_lbl);
+    g_->record({&vc}, {},
+               [vv = meta(vv)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(vv, in[0])}; });
+  }
+  Tensor heads_out = make(s.tokens() * qw, e, tmp_);
+  g_->record({&heads_out}, {probs.buf, vc.buf}, [this, probs = meta(probs), vc = meta(vc)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(probs), grad_to(vc)};
+  });
+  masked = probs = vc = Tensor{};
+  return merge_heads(heads_out, out_lbl);
+}
+
+Tensor Ops::embedding(const Param& table, int64_t tokens, int elem, int label) {
+  Tensor x = make(tokens * table.cols, elem, label);
+  g_->record({&x}, {}, [this, &table](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(table.t)}; });
+  return x;
+}
+
+Tensor Ops::token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets_label, int loss_label) {
+  Tensor x32 = cast(logits, 4, mem_.label("logits", Category::logits));
+  // The targets are a narrow of the batch's [B, T + 1] tokens: flattening them copies.
+  Ref targets = mem_.allocate(tokens * 8, targets_label);
+  Tensor lsm = make(tokens * vocab, 4, loss_label);
+  g_->record({&lsm}, {lsm.buf},
+             [this, x32 = meta(x32)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x32)}; });
+  x32 = logits = Tensor{};
+  Tensor loss = make(1, 4, loss_label);
+  Ref total_weight = mem_.allocate(4, loss_label);
+  g_->record({&loss}, {targets, total_weight},
+             [this, lsm = meta(lsm)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(lsm)}; });
+  return loss;
+}
+
+const std::vector<std::string>& modeled_operators() {
+  static const std::vector<std::string> names = {
+      "cast",
+      "linear",
+      "add",
+      "mul",
+      "scale",
+      "rms_norm",
+      "layer_norm",
+      "activation",
+      "dropout",
+      "rotary",
+      "embedding",
+      "token_loss",
+      "fused_attention",
+      "math_fallback_attention",
+      "explicit_attention",
+  };
+  return names;
+}
+
+}  // namespace headroom::sim

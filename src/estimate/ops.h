@@ -1,0 +1,136 @@
+// Operator models — what each operator of a training step allocates, keeps for backward and frees,
+// as LibTorch's CPU kernels and autograd formulas do it: one function per operator (or per
+// headroom model function that composes them, as attention does), on the symbolic memory of
+// estimate/sim.h. The estimator composes a step from these and nothing else; every one is held to
+// the real operator, run under the budget allocator, by the operator table test (ops_test.cpp),
+// which fails when an operator is modelled here without a case there.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "estimate/sim.h"
+
+namespace headroom::sim {
+
+// A parameter: its tensor, and its shape (cols 0: a vector).
+struct Param {
+  Tensor t;
+  int64_t rows = 0, cols = 0;
+};
+
+// The call of an attention operator: queries [B, T, heads·hd], keys and values [B, T, kv_heads·hd].
+struct AttentionShape {
+  int64_t batch = 1, seq = 1, heads = 1, kv_heads = 1, head_dim = 1;
+  int64_t tokens() const { return batch * seq; }
+};
+
+class Ops {
+ public:
+  // `mixed`: matmuls run under autocast, on 2-byte copies of their inputs and weights.
+  Ops(bool mixed);
+  Ops(const Ops&) = delete;
+  Ops& operator=(const Ops&) = delete;
+
+  Memory& memory() { return mem_; }
+  Graph& graph() { return *g_; }
+
+  // ---- labels and gradients ----
+  int act(const std::string& name, const std::string& formula) {
+    return mem_.label(name, Category::activations, formula);
+  }
+
+  // What a backward node remembers of a tensor it does not save: its size and gradient slot.
+  static Tensor meta(const Tensor& t) {
+    Tensor m = t;
+    m.buf = nullptr;
+    return m;
+  }
+
+  Emit grad_to(const Tensor& x) { return x.slot ? Emit{x.slot, mem_.allocate(x.bytes(), tmp_)} : Emit{}; }
+  static Emit pass_to(const Tensor& x, const Ref& g) { return Emit{x.slot, g}; }
+
+  Tensor make(int64_t numel, int elem, int label, bool rg = true) { return g_->make(numel, elem, label, rg); }
+
+  // x.to(elem): a copy when the dtype changes; backward casts the gradient back.
+  Tensor cast(const Tensor& x, int elem, int label);
+
+  // What a matmul under autocast reads: a 2-byte copy of a parameter, cached for the autocast scope.
+  Tensor weight_in(const Param& p);
+
+  Tensor linear(const Tensor& x, const Param& w, const Param* b, int label);
+
+  // a + b (b may broadcast): the sum in the wider dtype; backward passes the gradient through,
+  // converting or reducing it where an input differs.
+  Tensor add(const Tensor& a, const Tensor& b, int label);
+
+  // a * b, b possibly a broadcast weight or a constant: saves each for the other's gradient; a
+  // broadcast operand's gradient is reduced from a full-size product.
+  Tensor mul(const Tensor& a, const Tensor& b, int label);
+
+  // x * python scalar: nothing saved.
+  Tensor scale(const Tensor& x, int label);
+
+  // A view with its own gradient slot whose gradient is passed through unchanged (view, transpose).
+  Tensor view(const Tensor& x);
+
+  // A narrow/chunk view: its backward writes into a zero-filled gradient of the whole input.
+  Tensor slice(const Tensor& x, int64_t numel);
+
+  // ATen's rms_norm: in float32 whatever the input (a 2-byte input is upcast first and the result
+  // cast back): pow → mean → + eps → rsqrt → x · r → · weight.
+  Tensor rms_norm(const Tensor& in, const Param& w);
+
+  Tensor layer_norm(const Tensor& x, const Param& w, const Param* b);
+
+  // gelu or silu save their input; relu saves its result.
+  Tensor activation(const Tensor& x, bool saves_result);
+
+  // CPU dropout: input * (bernoulli mask / (1 - p)); the mask, in the input's dtype, is saved.
+  Tensor dropout(const Tensor& x, double p, int label);
+
+  // model/rotary.cpp's apply(): the leading `rd` features of each head rotated, the rest joined back.
+  Tensor rotary(const Tensor& x, int64_t heads, int64_t head_dim, int64_t rd, const Tensor& cos, const Tensor& sin);
+
+  // ---- attention (model/attention.cpp's paths); each returns [B, T, heads·hd] in q's dtype ----
+  // at::scaled_dot_product_attention without dropout: the fused CPU kernel, which saves q, k, v,
+  // the output and a float32 log-sum-exp (and the mask when windowed). `copies_output`: the query
+  // is a contiguous [B, heads, T, hd] (partial rotary's cat), so the output comes back in that
+  // layout and the reshape to [B, T, heads·hd] copies it.
+  Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s, bool windowed,
+                         bool copies_output);
+  // scaled_dot_product_attention with dropout: the CPU runs ATen's math attention in float32.
+  Tensor math_fallback_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s,
+                                 double dropout_p);
+  // The explicit path (--attention math): q·kᵀ, scale, mask, float32 softmax, cast, p·v.
+  Tensor explicit_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s, bool windowed,
+                            double dropout_p);
+
+  // at::embedding of `tokens` rows of `table` (its gradient: a dense table-sized buffer).
+  Tensor embedding(const Param& table, int64_t tokens, int elem, int label);
+  // The trainer's token_loss: logits.to(float32), the targets flattened (a copy, under
+  // `targets_label`), then cross_entropy = nll_loss(log_softmax(x)). Returns the scalar loss;
+  // the logits handle is released inside, where the real one goes.
+  Tensor token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets_label, int loss_label);
+
+ protected:
+  // The boolean mask of positions attention may not see, as model/attention.cpp builds it.
+  Ref blocked_mask(int64_t t, bool window);
+  // [B, heads, T, hd] heads merged into [B, T, heads·hd] by CausalLM::attention.
+  Tensor merge_heads(const Tensor& heads_out, int label);
+
+  Memory mem_;
+  Graph graph_;
+  Graph* g_;    // where operators record their backward (a checkpoint's recompute swaps in its own)
+  int tmp_;     // backward temporaries and operator scratch
+  int copies_;  // autocast's 2-byte weight copies
+  bool mixed_;
+  std::map<const Param*, Tensor>* cache_ = nullptr;  // autocast's weight copies, per forward
+};
+
+// The operators modelled above, by name; each has its case in the operator table test.
+const std::vector<std::string>& modeled_operators();
+
+}  // namespace headroom::sim
