@@ -1,4 +1,5 @@
 // The command line as a user meets it: exit codes, one-line errors, --json's single object.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -7,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 
 #include "device/cuda_adapter.h"
@@ -86,6 +88,38 @@ TEST(Cli, BadInputGivesOneLineAndExitCode2) {
     f << "steps = = 3\n";
   }
   expect_usage_error("train --config " + dir.file("broken.toml"), "broken.toml:1:");
+}
+
+// The inputs a new user got wrong messages for (issue 12): each now names what is wrong and what is
+// accepted.
+TEST(Cli, BadInputThatOnceMisledNowSaysWhatIsAccepted) {
+  TempDir dir;
+  {
+    std::ofstream f(dir.file("numeric-type.json"));
+    f << R"({"model_type": 5, "hidden_size": 64})";
+  }
+  expect_usage_error("estimate --model " + dir.file("numeric-type.json"),
+                     "field 'model_type' must be a string naming the family, got 5; supported: gpt2");
+  {
+    std::ofstream f(dir.file("huge-vocab.json"));
+    f << R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_hidden_layers": 1, "max_position_embeddings": 64, "vocab_size": 9223372036854775808})";
+  }
+  expect_usage_error("estimate --model " + dir.file("huge-vocab.json"),
+                     "field 'vocab_size' is out of range: 9223372036854775808; accepted: an integer of at most 2^40");
+  {
+    std::ofstream f(dir.file("33.txt"));
+    f << std::string(33, 'x');
+  }
+  // 33 bytes split 30/3: the message says so, and how long a text --seq 32 needs (330 bytes: 297/33).
+  expect_usage_error("train --data " + dir.file("33.txt") + " --seq 32",
+                     "holds 30 bytes and its eval split (the last 10%) 3, and each needs a window of 33 (seq + 1); "
+                     "accepted: a text of at least 330 bytes");
+  expect_usage_error("train --data /dev/zero", "'/dev/zero' is not a regular file");
+  expect_usage_error("train --config /dev/urandom", "'/dev/urandom' is not a regular file");
+  expect_usage_error("train --steps 4 --warmup 10", "--warmup 10 is longer than --steps 4");
+  expect_usage_error("train --steps 4 --inject-oom 999:1", "--inject-oom 999:1: step 999 never runs");
+  expect_usage_error("train --checkpoint " + std::string(HEADROOM_BINARY), "is a file");
 }
 
 TEST(Cli, DeviceCudaIsAnErrorOnlyWithoutAGpu) {
@@ -187,6 +221,90 @@ TEST(Cli, HelpListsTheFlagsAndExitCodes) {
   for (const char* flag : {"--model", "--set", "--steps", "--checkpoint", "--resume", "--metrics", "--config"}) {
     EXPECT_THAT(train.out, HasSubstr(flag));
   }
+}
+
+// A shell script's output (stdout and stderr together), for the tests that need processes side by
+// side or signals.
+std::string shell(const std::string& script) {
+  TempDir dir;
+  {
+    std::ofstream f(dir.file("script.sh"));
+    f << "H=" << HEADROOM_BINARY << "\n" << script;
+  }
+  std::string out;
+  FILE* pipe = ::popen(("bash " + dir.file("script.sh") + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf{};
+  size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
+  ::pclose(pipe);
+  return out;
+}
+
+// Ctrl-C (or SIGTERM) during training: the step in flight finishes, its checkpoint is written, no
+// temp file is left, the exit code is 128 + the signal, and --resume continues from it.
+TEST(Cli, AnInterruptSavesACheckpointAndExits130Or143) {
+  TempDir dir;
+  for (const auto& [signal, code] : {std::pair{"INT", 130}, std::pair{"TERM", 143}}) {
+    const std::string ck = dir.file(std::string("ck-") + signal), m = dir.file(std::string("m-") + signal);
+    const std::string out = shell(fmt::format(
+        "$H train --steps 500 --set num_hidden_layers=1 --batch 2 --seq 32 --checkpoint {} --metrics {} --quiet &\n"
+        "pid=$!\n"
+        "while [ ! -s {} ]; do sleep 0.05; done\n"
+        "kill -{} $pid\nwait $pid\necho \"rc=$?\"\nls -a {}\n",
+        ck, m, m, signal, ck));
+    EXPECT_THAT(out, HasSubstr(fmt::format("rc={}", code))) << out;
+    EXPECT_THAT(out, ::testing::ContainsRegex("interrupted by SIG" + std::string(signal) +
+                                              ".* after step [0-9]+; "
+                                              "checkpoint saved in"))
+        << out;
+    EXPECT_THAT(out, HasSubstr("checkpoint.hrc")) << out;
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("checkpoint.hrc.tmp"))) << out;
+    std::smatch m_step;
+    ASSERT_TRUE(std::regex_search(out, m_step, std::regex("after step ([0-9]+)"))) << out;
+    const int64_t step = std::stoll(m_step[1].str());
+    const Result resumed = run(fmt::format(
+        "train --steps 500 --stop-at {} --set num_hidden_layers=1 --batch 2 --seq 32 --resume {} --json --eval-rows 0",
+        step + 1, ck));
+    ASSERT_EQ(resumed.code, 0) << resumed.err;
+    EXPECT_EQ(nlohmann::json::parse(resumed.out).at("steps"), step + 1);
+  }
+}
+
+// Two runs writing one checkpoint directory would race; the second is refused, naming the first.
+TEST(Cli, ASecondRunOnTheSameCheckpointDirectoryIsRefused) {
+  TempDir dir;
+  const std::string ck = dir.file("ck"), m = dir.file("m.jsonl");
+  const std::string out = shell(fmt::format(
+      "$H train --steps 500 --set num_hidden_layers=1 --batch 2 --seq 32 --checkpoint {} --metrics {} --quiet &\n"
+      "pid=$!\n"
+      "while [ ! -s {} ]; do sleep 0.05; done\n"
+      "$H train --steps 2 --checkpoint {} --quiet; echo \"second rc=$?\"\n"
+      "kill -TERM $pid; wait $pid\necho \"holder=$pid\"\n",
+      ck, m, m, ck));
+  EXPECT_THAT(out, HasSubstr("second rc=2")) << out;
+  EXPECT_THAT(out, ::testing::ContainsRegex("is in use by process ([0-9]+) \\(another headroom run")) << out;
+}
+
+// Training that diverges is not a success: exit code 5, one line naming the step and the causes.
+TEST(Cli, DivergedTrainingExits5NamingTheStep) {
+  const Result r = run("train --steps 20 --lr 1e6 --grad-clip 0 --set num_hidden_layers=1 --batch 2 --seq 32 --json");
+  EXPECT_EQ(r.code, 5) << r.err;
+  EXPECT_THAT(r.err, ::testing::ContainsRegex("training diverged: the loss is (nan|inf) at step [0-9]+"));
+  EXPECT_THAT(r.err, HasSubstr("a learning rate too high (--lr)"));
+  EXPECT_EQ(lines(r.out), 1u);
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("kind"), "diverged");
+  expect_usage_error("train --set rope_theta=0", "the rotary base (rope_theta) must be positive, got 0");
+}
+
+// The machine's own memory running out (here: an address-space limit) is an out-of-memory with a
+// diagnosis and exit code 3, as a budget's is, not an internal error.
+TEST(Cli, TheMachineRunningOutOfMemoryIsAnOomNotAnInternalError) {
+  const std::string out = shell(
+      "ulimit -v 5000000\n"
+      "$H train --model qwen2.5-0.5b --set num_hidden_layers=1 --steps 1 --batch 8 --seq 256 --no-guard --quiet "
+      "--eval-rows 0\necho \"rc=$?\"\n");
+  EXPECT_THAT(out, HasSubstr("rc=3")) << out;
+  EXPECT_THAT(out, HasSubstr("CPU out of memory (the machine's memory)")) << out;
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "cli/train_command.h"
 #include "util/error.h"
 #include "util/files.h"
+#include "util/interrupt.h"
 #include "util/json.h"
 
 namespace {
@@ -46,7 +47,9 @@ int main(int argc, char** argv) {
       "stdout.\n"
       "Exit codes: 0 success; 2 bad input (flags, config, files); 3 does not fit: out of memory that the OOM "
       "guard could not absorb (or with --no-guard), with a diagnosis, or a prediction, plan or search that finds "
-      "nothing fitting; 4 internal error.");
+      "nothing fitting; 4 internal error; 5 training diverged (the loss stopped being finite); 130 and 143 "
+      "interrupted by Ctrl-C or SIGTERM (train stops after the step in flight, with a checkpoint when one is "
+      "configured).");
   std::function<int()> run;
   add_train_command(app, run);
   add_fit_command(app, run);
@@ -71,8 +74,11 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return report(json, kExitUsage, "error", first_line(e.what()) + " (see headroom --help)");
   }
+  install_interrupt_handlers();  // Ctrl-C and SIGTERM stop at the next safe point, not mid-write
   try {
     return run ? run() : kExitUsage;
+  } catch (const Interrupted& e) {
+    return report(json, e.exit_code(), "interrupted", e.what());
   } catch (const DoesNotFit& e) {
     return report(json, kExitOom, "does not fit", e.what());
   } catch (const Error& e) {

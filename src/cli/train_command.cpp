@@ -11,6 +11,7 @@
 #include "plan/oom_advice.h"
 #include "train/trainer.h"
 #include "util/error.h"
+#include "util/interrupt.h"
 #include "util/json.h"
 #include "util/size.h"
 
@@ -44,6 +45,32 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
         return kExitOom;
       }
       const TrainSummary& s = result.summary;
+      if (result.diverged) {
+        const std::string message = result.diverged->message();
+        fmt::print(stderr, "headroom: {}\n", message);
+        if (cfg.json) {
+          fmt::print("{}\n", dump_json({{"error", message},
+                                        {"kind", "diverged"},
+                                        {"exit_code", kExitDiverged},
+                                        {"step", result.diverged->step}}));
+        }
+        return kExitDiverged;
+      }
+      if (result.interrupted) {
+        const std::string dir = !cfg.checkpoint.empty() ? cfg.checkpoint : cfg.resume;
+        const std::string message =
+            fmt::format("interrupted by {} after step {}; {}", signal_name(result.interrupted), s.steps,
+                        dir.empty() ? "no checkpoint was configured (--checkpoint DIR keeps the state)"
+                                    : fmt::format("checkpoint saved in {} (continue with --resume {})", dir, dir));
+        fmt::print(stderr, "headroom: {}\n", message);
+        if (cfg.json) {
+          fmt::print("{}\n", dump_json({{"error", message},
+                                        {"kind", "interrupted"},
+                                        {"exit_code", 128 + result.interrupted},
+                                        {"steps", s.steps}}));
+        }
+        return 128 + result.interrupted;
+      }
       if (cfg.json) {
         const nlohmann::json out = {
             {"params", s.params},

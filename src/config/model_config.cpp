@@ -2,10 +2,10 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-
 #include <sys/stat.h>
 
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include "data/embedded.h"
@@ -38,9 +38,7 @@ class FieldReader {
     if (!has(key)) fail("{}: missing field '{}' (required for model_type '{}')", origin_, key, type_);
     return as_int(key);
   }
-  int64_t integer_or(const std::string& key, int64_t fallback) {
-    return has(key) ? as_int(key) : fallback;
-  }
+  int64_t integer_or(const std::string& key, int64_t fallback) { return has(key) ? as_int(key) : fallback; }
   double number_or(const std::string& key, double fallback) {
     if (!has(key)) return fallback;
     const json& v = j_.at(key);
@@ -66,14 +64,25 @@ class FieldReader {
   const std::set<std::string>& used() const { return used_; }
 
  private:
+  // Sizes and counts: integers up to 2^40, so that products of them (parameter counts, bytes) stay
+  // far from int64's range.
   int64_t as_int(const std::string& key) {
+    constexpr int64_t kLimit = int64_t{1} << 40;
     const json& v = j_.at(key);
-    if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float()) {
+    std::optional<int64_t> n;
+    if (v.is_number_unsigned()) {
+      if (v.get<uint64_t>() <= static_cast<uint64_t>(kLimit)) n = static_cast<int64_t>(v.get<uint64_t>());
+    } else if (v.is_number_integer()) {
+      n = v.get<int64_t>();
+    } else if (v.is_number_float()) {
       const double d = v.get<double>();
-      if (std::abs(d) < 9e18 && d == std::floor(d)) return static_cast<int64_t>(d);
+      if (std::abs(d) <= static_cast<double>(kLimit) && d == std::floor(d)) n = static_cast<int64_t>(d);
     }
-    fail("{}: field '{}' must be an integer, got {}", origin_, key, dump_json(v));
+    if (v.is_number() && (!n || std::abs(*n) > kLimit)) {
+      fail("{}: field '{}' is out of range: {}; accepted: an integer of at most 2^40", origin_, key, dump_json(v));
+    }
+    if (!n) fail("{}: field '{}' must be an integer, got {}", origin_, key, dump_json(v));
+    return *n;
   }
 
   const json& j_;
@@ -87,8 +96,7 @@ Activation parse_activation(const std::string& name, const std::string& origin) 
   if (name == "gelu_new" || name == "gelu_pytorch_tanh" || name == "gelu_fast") return Activation::gelu_tanh;
   if (name == "silu" || name == "swish") return Activation::silu;
   if (name == "relu") return Activation::relu;
-  fail("{}: activation '{}' is not supported; accepted: gelu, gelu_new, gelu_pytorch_tanh, silu, relu",
-       origin, name);
+  fail("{}: activation '{}' is not supported; accepted: gelu, gelu_new, gelu_pytorch_tanh, silu, relu", origin, name);
 }
 
 void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin) {
@@ -118,8 +126,10 @@ void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin
   const double original = number("original_max_position_embeddings", 8192);
   if (rs.factor <= 0) fail("{}: rope_scaling.factor must be positive, got {}", origin, rs.factor);
   if (type == "llama3" && (rs.low_freq_factor <= 0 || rs.high_freq_factor <= rs.low_freq_factor || original < 1)) {
-    fail("{}: rope_scaling (llama3) needs 0 < low_freq_factor < high_freq_factor and "
-         "original_max_position_embeddings >= 1", origin);
+    fail(
+        "{}: rope_scaling (llama3) needs 0 < low_freq_factor < high_freq_factor and "
+        "original_max_position_embeddings >= 1",
+        origin);
   }
   rs.original_max_positions = static_cast<int64_t>(std::min(original, 1e9));
   c.rope_scaling = rs;
@@ -166,8 +176,7 @@ void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) 
         c.window_from_layer = r.integer_or("max_window_layers", 28);
       }
       break;
-    default:
-      break;
+    default: break;
   }
 }
 
@@ -247,16 +256,17 @@ void validate(const ModelConfig& c, const std::string& origin) {
   if (c.vocab_size > (int64_t{1} << 24) || c.hidden_size > (int64_t{1} << 20) || c.num_layers > 10000 ||
       c.intermediate_size > (int64_t{1} << 22) || c.num_heads > 65536 || c.num_kv_heads > c.num_heads ||
       c.head_dim > 65536 || c.max_positions > (int64_t{1} << 24)) {
-    fail("{}: sizes out of range (vocab_size <= 16M, hidden size <= 1M, layers <= 10000, intermediate size "
-         "<= 4M, heads <= 65536, key/value heads <= heads, head dim <= 65536, max positions <= 16M)", origin);
+    fail(
+        "{}: sizes out of range (vocab_size <= 16M, hidden size <= 1M, layers <= 10000, intermediate size "
+        "<= 4M, heads <= 65536, key/value heads <= heads, head dim <= 65536, max positions <= 16M)",
+        origin);
   }
-  if (c.head_dim * c.num_heads != c.hidden_size && c.family != Family::llama &&
-      c.family != Family::mistral && c.family != Family::qwen2) {
+  if (c.head_dim * c.num_heads != c.hidden_size && c.family != Family::llama && c.family != Family::mistral &&
+      c.family != Family::qwen2) {
     fail("{}: hidden size {} is not divisible by {} attention heads", origin, c.hidden_size, c.num_heads);
   }
   if (c.num_heads % c.num_kv_heads != 0) {
-    fail("{}: {} attention heads are not a multiple of {} key/value heads", origin, c.num_heads,
-         c.num_kv_heads);
+    fail("{}: {} attention heads are not a multiple of {} key/value heads", origin, c.num_heads, c.num_kv_heads);
   }
   if (!c.learned_positions && (c.rotary_dim <= 0 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim)) {
     fail("{}: rotary dimension {} must be even and in (0, head dim {}]", origin, c.rotary_dim, c.head_dim);
@@ -265,6 +275,9 @@ void validate(const ModelConfig& c, const std::string& origin) {
     if (p < 0 || p >= 1) fail("{}: dropout probabilities must be in [0, 1), got {}", origin, p);
   }
   if (c.norm_eps <= 0) fail("{}: the norm epsilon must be positive, got {}", origin, c.norm_eps);
+  if (!c.learned_positions && !(c.rope_theta > 0)) {
+    fail("{}: the rotary base (rope_theta) must be positive, got {}", origin, c.rope_theta);
+  }
   if (c.sliding_window && *c.sliding_window <= 0) {
     fail("{}: sliding_window must be positive, got {}", origin, *c.sliding_window);
   }
@@ -282,7 +295,7 @@ std::string read_text_file(const std::string& path) {
     fail("--model: cannot read '{}' (not a preset name and not a readable file); presets: {}", path,
          fmt::join(preset_names(), ", "));
   }
-  return read_file(path, "--model");
+  return read_file(path, "--model", int64_t{16} << 20);
 }
 
 }  // namespace
@@ -311,8 +324,12 @@ namespace {
 // Reads and validates; `fields` receives every field name a reader consulted.
 ModelConfig read_config(const nlohmann::json& j, const std::string& origin, std::set<std::string>* fields) {
   if (!j.is_object()) fail("{}: a model config must be a JSON object", origin);
-  if (!j.contains("model_type") || !j.at("model_type").is_string()) {
+  if (!j.contains("model_type")) {
     fail("{}: missing field 'model_type'; supported: {}", origin, fmt::join(supported_families(), ", "));
+  }
+  if (!j.at("model_type").is_string()) {
+    fail("{}: field 'model_type' must be a string naming the family, got {}; supported: {}", origin,
+         dump_json(j.at("model_type")), fmt::join(supported_families(), ", "));
   }
   const std::string type = j.at("model_type").get<std::string>();
   ModelConfig c;
@@ -329,8 +346,7 @@ ModelConfig read_config(const nlohmann::json& j, const std::string& origin, std:
     c.family = Family::gpt_neox;
     read_gpt_neox(r, c, origin);
   } else {
-    fail("{}: model_type '{}' is not supported; supported: {}", origin, type,
-         fmt::join(supported_families(), ", "));
+    fail("{}: model_type '{}' is not supported; supported: {}", origin, type, fmt::join(supported_families(), ", "));
   }
   validate(c, origin);
   if (fields) *fields = r.used();

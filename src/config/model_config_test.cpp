@@ -1,9 +1,8 @@
 #include "config/model_config.h"
 
+#include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <ATen/ATen.h>
 
 #include "model/causal_lm.h"
 #include "util/error.h"
@@ -38,7 +37,8 @@ INSTANTIATE_TEST_SUITE_P(Presets, PublishedCounts,
                                            Published{"llama-3.1-70b", 70'553'706'496}),
                          [](const auto& info) {
                            std::string n = info.param.preset;
-                           for (char& ch : n) if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           for (char& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
                            return n;
                          });
 
@@ -85,10 +85,16 @@ TEST(ModelConfig, OverridesApplyAndTyposAreRefused) {
 TEST(ModelConfig, BadInputGetsOneLineErrors) {
   using ::testing::HasSubstr;
   using ::testing::ThrowsMessage;
-  EXPECT_THAT([] { model_config_from_json({{"model_type", "bert"}}, "x.json"); },
-              ThrowsMessage<Error>(HasSubstr("model_type 'bert' is not supported; supported: gpt2, llama")));
-  EXPECT_THAT([] { model_config_from_json({{"model_type", "llama"}, {"vocab_size", 10}}, "x.json"); },
-              ThrowsMessage<Error>(HasSubstr("missing field 'hidden_size'")));
+  EXPECT_THAT(
+      [] {
+        model_config_from_json({{"model_type", "bert"}}, "x.json");
+      },
+      ThrowsMessage<Error>(HasSubstr("model_type 'bert' is not supported; supported: gpt2, llama")));
+  EXPECT_THAT(
+      [] {
+        model_config_from_json({{"model_type", "llama"}, {"vocab_size", 10}}, "x.json");
+      },
+      ThrowsMessage<Error>(HasSubstr("missing field 'hidden_size'")));
   EXPECT_THAT([] { load_model_config("tiny", {"hidden_size=-8"}); },
               ThrowsMessage<Error>(HasSubstr("hidden size must be positive")));
   EXPECT_THAT([] { load_model_config("tiny", {"num_key_value_heads=3"}); },

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "util/error.h"
+#include "util/files.h"
 #include "util/size.h"
 
 namespace headroom {
@@ -157,8 +158,9 @@ const std::vector<RunField>& run_fields() {
 
 void apply_toml_file(RunConfig& config, const std::string& path) {
   toml::table table;
+  const std::string text = read_file(path, "--config", int64_t{16} << 20);
   try {
-    table = toml::parse_file(path);
+    table = toml::parse(text, path);
   } catch (const toml::parse_error& e) {
     const auto& where = e.source().begin;
     if (where.line == 0) fail("--config: cannot read '{}': {}", path, e.description());

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 
 #include "data/embedded.h"
 #include "util/error.h"
@@ -36,9 +38,18 @@ TextDataset::TextDataset(std::string_view text, std::string origin, double eval_
   const int64_t n_train = n - n_eval;
   const int64_t need = seq_len + 1;
   if (n_train < need || n_eval < need) {
-    fail("{}: {} bytes is too short for --seq {}: each of the train ({:.0f}%) and eval ({:.0f}%) splits "
-         "needs at least {} bytes",
-         origin_, n, seq_len, 100 * (1 - eval_fraction), 100 * eval_fraction, need);
+    // The smallest text whose both splits hold one window of seq + 1 bytes.
+    int64_t enough =
+        std::max<int64_t>(need, static_cast<int64_t>(std::ceil(static_cast<double>(need) / eval_fraction)) - 2);
+    while (enough - static_cast<int64_t>(static_cast<double>(enough) * eval_fraction) < need ||
+           static_cast<int64_t>(static_cast<double>(enough) * eval_fraction) < need) {
+      ++enough;
+    }
+    fail(
+        "{}: {} bytes is too short for --seq {}: its train split ({:.0f}%) holds {} bytes and its eval split (the "
+        "last {:.0f}%) {}, and each needs a window of {} (seq + 1); accepted: a text of at least {} bytes, or a "
+        "shorter --seq",
+        origin_, n, seq_len, 100 * (1 - eval_fraction), n_train, 100 * eval_fraction, n_eval, need, enough);
   }
   auto all = bytes_to_tokens(text);
   train_ = all.narrow(0, 0, n_train).clone();
@@ -65,8 +76,8 @@ Batch TextDataset::train_batch(uint64_t seed, int64_t step, int64_t first_row, i
   const auto span = static_cast<uint64_t>(train_.numel() - seq_len_);  // valid starts: [0, span)
   std::vector<int64_t> offsets(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
-    const uint64_t key = mix(mix(seed) ^ mix(static_cast<uint64_t>(step) * 0x100000001B3ull +
-                                               static_cast<uint64_t>(first_row + r)));
+    const uint64_t key =
+        mix(mix(seed) ^ mix(static_cast<uint64_t>(step) * 0x100000001B3ull + static_cast<uint64_t>(first_row + r)));
     offsets[r] = static_cast<int64_t>(key % span);
   }
   return gather(train_, offsets);

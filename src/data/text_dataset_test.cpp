@@ -1,9 +1,8 @@
 #include "data/text_dataset.h"
 
+#include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <ATen/ATen.h>
 
 #include "data/embedded.h"
 #include "util/error.h"

@@ -1,6 +1,7 @@
 #include "device/device.h"
 
 #include <charconv>
+#include <fstream>
 
 #include "device/cuda_adapter.h"
 #include "util/error.h"
@@ -18,12 +19,25 @@ c10::Device resolve_device(const std::string& name) {
       const char* begin = name.data() + 5;
       const char* end = name.data() + name.size();
       auto [ptr, ec] = std::from_chars(begin, end, index);
-      if (begin == end || ec != std::errc() || ptr != end) fail("--device {}: expected cuda:N with N a device index", name);
+      if (begin == end || ec != std::errc() || ptr != end)
+        fail("--device {}: expected cuda:N with N a device index", name);
     }
     if (index < 0 || index >= count) fail("--device {}: only {} CUDA device(s) here (0..{})", name, count, count - 1);
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
   fail("--device '{}': accepted: auto, cpu, cuda, cuda:N", name);
+}
+
+std::optional<int64_t> device_memory_available(const c10::Device& device) {
+  if (device.is_cuda()) return cuda_device_memory(device.has_index() ? device.index() : 0).free_bytes;
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return std::nullopt;
 }
 
 }  // namespace headroom

@@ -17,6 +17,7 @@
 #include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/error.h"
+#include "util/interrupt.h"
 #include "util/files.h"
 #include "util/size.h"
 
@@ -41,6 +42,7 @@ TrialRun run_trial(const RunConfig& config, int64_t steps, bool capped = true, c
   c.memory_snapshot = snapshot;
   TrialRun t;
   t.result = train(c);
+  throw_if_interrupted("during the doctor's trials");
   t.fits = t.result.fits();
   t.peak = t.result.peak_or_failure_bytes();
   if (t.result.oom) t.oom = *t.result.oom;

@@ -87,8 +87,15 @@ void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool inje
   }
   const std::string where = e.step >= 0 ? fmt::format(" during {} of step {}", phase_name(e.phase), e.step + 1) : "";
   if (injected) {
-    C10_THROW_ERROR(OutOfMemoryError, fmt::format("CPU out of memory (injected fault){}. Tried to allocate {}; {} in use.",
-                                                  where, format_bytes(bytes), format_bytes(live)));
+    C10_THROW_ERROR(OutOfMemoryError,
+                    fmt::format("CPU out of memory (injected fault){}. Tried to allocate {}; {} in use.", where,
+                                format_bytes(bytes), format_bytes(live)));
+  }
+  if (cap < 0) {
+    C10_THROW_ERROR(OutOfMemoryError,
+                    fmt::format("CPU out of memory (the machine's memory){}. Tried to allocate {}; {} in use by this "
+                                "process's tensors.",
+                                where, format_bytes(bytes), format_bytes(live)));
   }
   C10_THROW_ERROR(OutOfMemoryError,
                   fmt::format("CPU out of memory (headroom budget){}. Tried to allocate {}. Budget {}; {} in use; "
@@ -117,6 +124,14 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   c10::DataPtr inner;
   try {
     inner = inner_->allocate(bytes);
+  } catch (const c10::OutOfMemoryError&) {
+    live_.fetch_sub(n, std::memory_order_relaxed);
+    throw;
+  } catch (const c10::Error&) {
+    // The machine itself is out of memory (ATen's CPU allocator raises a plain enforce failure):
+    // the same out-of-memory as a budget's, so that the guard and the diagnosis see it.
+    live_.fetch_sub(n, std::memory_order_relaxed);
+    refuse(n, live, -1, /*injected=*/false);
   } catch (...) {
     live_.fetch_sub(n, std::memory_order_relaxed);
     throw;

@@ -8,6 +8,7 @@
 #include "memory/oom_report.h"
 #include "train/trainer.h"
 #include "util/error.h"
+#include "util/interrupt.h"
 
 namespace headroom {
 
@@ -22,6 +23,7 @@ Trial trial_step(const RunConfig& base, int64_t batch) {
   cfg.batch = batch;
   cfg.accum = 1;
   const TrainResult r = train(cfg);
+  throw_if_interrupted("during fit's trials");
   return {batch, r.fits(), r.peak_or_failure_bytes()};
 }
 

@@ -9,6 +9,7 @@
 #include "train/checkpoint.h"
 #include "train/metrics_log.h"
 #include "train/step.h"
+#include "util/dir_lock.h"
 #include "util/size.h"
 
 namespace headroom {
@@ -44,17 +45,27 @@ class CheckpointObserver final : public StepObserver {
  public:
   CheckpointObserver(std::string dir, int64_t every) : dir_(std::move(dir)), every_(every) {
     check_checkpoint_dir(dir_);
+    lock_.emplace(dir_, "--checkpoint");
   }
   void after_step(Run& run, StepRecord& rec, bool last) override {
-    if (!due(rec.step, every_, last)) return;
-    const CheckpointInfo info{rec.step, run.config.seed, run.config.steps, optimizer_name(run.config.optimizer),
-                              run.model_config.source};
-    save_checkpoint(dir_, info, run.parameters(), run.optimizer->state());
+    if (due(rec.step, every_, last)) save(run, rec.step);
+  }
+  void on_stop(Run& run, const StepRecord& last) override {
+    if (saved_ != last.step) save(run, last.step);
   }
 
  private:
+  void save(Run& run, int64_t step) {
+    const CheckpointInfo info{step, run.config.seed, run.config.steps, optimizer_name(run.config.optimizer),
+                              run.model_config.source};
+    save_checkpoint(dir_, info, run.parameters(), run.optimizer->state());
+    saved_ = step;
+  }
+
   std::string dir_;
   int64_t every_;
+  int64_t saved_ = -1;
+  std::optional<DirLock> lock_;
 };
 
 class MetricsObserver final : public StepObserver {

@@ -23,14 +23,17 @@ class StepObserver {
   // After optimizer step `record.step` (1-based) completed; `last`: it was the run's last. May add
   // to `record`.
   virtual void after_step(Run& run, StepRecord& record, bool last) = 0;
+  // The run stops before its last step (an interrupt) after `last` completed.
+  virtual void on_stop(Run& /*run*/, const StepRecord& /*last*/) {}
 };
 
 // Evaluation at the step's micro-batch (record.batch), so that a run whose micro-batch the OOM
 // guard lowered evaluates in batches that fit too (and at half of it on an OOM, down to one row;
 // then skipped with a note): every --eval-every steps and at the last.
 std::unique_ptr<StepObserver> eval_observer(int64_t every);
-// --checkpoint DIR: every --checkpoint-every steps and at the last. Checks DIR before the first
-// step (a file, or a directory that cannot be written, is an Error now, not after training).
+// --checkpoint DIR: every --checkpoint-every steps, at the last, and when the run is interrupted.
+// Checks DIR before the first step (a file, or a directory that cannot be written, is an Error
+// now, not after training) and locks it for the run (util/dir_lock.h).
 std::unique_ptr<StepObserver> checkpoint_observer(const std::string& dir, int64_t every);
 // --metrics FILE: one line per step; a resumed run keeps the lines up to `resumed_at`.
 std::unique_ptr<StepObserver> metrics_observer(const std::string& path, std::optional<int64_t> resumed_at);

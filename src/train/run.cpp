@@ -7,6 +7,7 @@
 #include "device/device.h"
 #include "util/error.h"
 #include "util/files.h"
+#include "util/size.h"
 
 namespace headroom {
 
@@ -54,9 +55,19 @@ MadeRun make_run(const RunConfig& cfg) {
   }
   run->data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
 
+  const c10::ScalarType dtype = parameter_dtype(cfg.precision);
+  // Weights that cannot fit the device at all are refused before a byte is allocated (an allocation
+  // that large would fail late, or push the machine into swap).
+  const int64_t weight_bytes = count_parameters(mc) * static_cast<int64_t>(c10::elementSize(dtype));
+  if (const auto available = device_memory_available(device); available && weight_bytes > *available) {
+    throw DoesNotFit(fmt::format(
+        "{}'s weights alone need {} ({} parameters in {}), and {} has {} available; accepted: a smaller model, "
+        "--precision bf16 (2 bytes per weight), or a larger machine",
+        mc.name, format_bytes(weight_bytes), count_parameters(mc), c10::toString(dtype), device.str(),
+        format_bytes(*available)));
+  }
   // The budget applies from here: the model and optimizer state must fit in it too.
   run->probe->set_budget(cfg.memory_budget);
-  const c10::ScalarType dtype = parameter_dtype(cfg.precision);
   try {
     run->model = std::make_unique<CausalLM>(mc, at::TensorOptions().dtype(dtype).device(device), cfg.seed);
     OptimizerOptions options;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "train/trainer.h"
+#include "util/interrupt.h"
 
 namespace headroom {
 
@@ -17,6 +18,7 @@ std::optional<double> time_train_step(const RunConfig& base, Precision precision
   cfg.memory_budget.reset();  // timing only; memory is the estimator's business
   cfg.inject_leak = LeakInjection::none;
   const TrainResult r = train(cfg);
+  throw_if_interrupted("while timing steps for the planner");
   if (!r.fits()) return std::nullopt;
   return r.median_step_seconds();
 }

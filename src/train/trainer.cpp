@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 
@@ -15,6 +16,7 @@
 #include "train/run.h"
 #include "util/atomic_file.h"
 #include "util/error.h"
+#include "util/interrupt.h"
 #include "util/json.h"
 #include "util/size.h"
 #include "util/stats.h"
@@ -109,6 +111,25 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   return r;
 }
 
+// Ends a run whose loss is no longer a number: at once, or with fp16's loss scaler (which skips
+// overflowing steps and backs off) after 5 non-finite steps in a row.
+class DivergenceWatch {
+ public:
+  explicit DivergenceWatch(Precision precision) : patience_(precision == Precision::fp16_mixed ? 5 : 1) {}
+  std::optional<Divergence> after(const StepRecord& r) {
+    if (std::isfinite(r.loss)) {
+      run_ = 0;
+      return std::nullopt;
+    }
+    if (run_++ == 0) since_ = r.step;
+    if (run_ < patience_) return std::nullopt;
+    return Divergence{r.step, since_, r.loss};
+  }
+
+ private:
+  int64_t patience_, run_ = 0, since_ = 0;
+};
+
 TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepRecord>& steps, double seconds) {
   TrainSummary s;
   s.params = run.model->num_parameters();
@@ -137,6 +158,14 @@ TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepReco
 }
 
 }  // namespace
+
+std::string Divergence::message() const {
+  return fmt::format(
+      "training diverged: the loss is {} at step {}{}; likely causes: a learning rate too high (--lr), no "
+      "gradient clipping (--grad-clip 0), a config field that breaks the numerics (rope_theta 0, a tiny "
+      "layer_norm_eps), fp16 overflow; the checkpoint, if any, is from before it",
+      loss, step, since < step ? fmt::format(" (not finite since step {})", since) : "");
+}
 
 double TrainResult::median_step_seconds() const {
   std::vector<double> t;
@@ -171,6 +200,7 @@ TrainResult train(const RunConfig& cfg) {
   const auto started = Clock::now();
   const int64_t end = cfg.end_step();
   OomGuard guard(run);
+  DivergenceWatch watch(cfg.precision);
   for (int64_t step = start; step < end; ++step) {
     const auto step_started = Clock::now();
     const GuardedStep g = guard.run(step);
@@ -179,8 +209,16 @@ TrainResult train(const RunConfig& cfg) {
       break;
     }
     StepRecord record = record_step(run, step, g, step_started);
+    if ((result.diverged = watch.after(record))) {
+      result.steps.push_back(std::move(record));  // kept in the result; no observer sees it (no checkpoint of it)
+      break;
+    }
     for (const auto& o : observers) o->after_step(run, record, step + 1 == end);
     result.steps.push_back(std::move(record));
+    if ((result.interrupted = interrupt_requested()) && step + 1 < end) {
+      for (const auto& o : observers) o->on_stop(run, result.steps.back());
+      break;
+    }
   }
   result.summary = summarize(run, start, result.steps, seconds_since(started));
   // On cuda the allocator's history, with the failure in it when there was one.

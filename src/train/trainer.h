@@ -5,7 +5,10 @@
 // phases), its record, the observers (checkpoint, evaluation, metrics, progress:
 // train/observers.h). A run that runs out of memory in a way the guard cannot absorb ends there,
 // with the diagnosis in TrainResult::oom and the records of the steps before it; the failed step's
-// memory is released first. Throws Error for bad input only.
+// memory is released first. A loss that stops being finite ends it too (TrainResult::diverged; with
+// fp16 loss scaling after 5 such steps in a row, which the scaler should have recovered from),
+// before the step's checkpoint could overwrite a good one with it. An interrupt (util/interrupt.h)
+// ends it after the step in flight, with a checkpoint. Throws Error for bad input only.
 #pragma once
 
 #include <cstdint>
@@ -36,10 +39,20 @@ struct TrainSummary {
   std::string memory_source;  // what the memory figures measure
 };
 
+// Training that diverged: the loss stopped being a number.
+struct Divergence {
+  int64_t step = 0;   // the step that ended the run (1-based)
+  int64_t since = 0;  // the first of the consecutive non-finite steps
+  double loss = 0;    // nan or inf
+  std::string message() const;  // one line: the steps, and the likely causes
+};
+
 struct TrainResult {
   TrainSummary summary;
-  std::vector<StepRecord> steps;  // each step this process completed, in order
-  std::optional<OomReport> oom;   // the run ended out of memory (during setup, or in the step after the last record)
+  std::vector<StepRecord> steps;     // each step this process completed, in order
+  std::optional<OomReport> oom;      // ended out of memory (during setup, or in the step after the last record)
+  std::optional<Divergence> diverged;  // ended because the loss was not finite; no checkpoint was written of it
+  int interrupted = 0;  // the signal (SIGINT, SIGTERM) that stopped it after its last record, checkpointed
 
   bool fits() const { return !oom.has_value(); }
   // The median step time after the first (which warms up); the only one if just one; 0 if none.

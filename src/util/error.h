@@ -34,5 +34,7 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitUsage = 2;     // bad input: flags, config, files
 inline constexpr int kExitOom = 3;       // out of memory (budget or device) and not recovered
 inline constexpr int kExitInternal = 4;  // a bug: an unexpected exception
+inline constexpr int kExitDiverged = 5;  // training diverged: the loss stopped being finite
+// Interrupted by a signal: 128 + the signal, as shells report it (130 for SIGINT, 143 for SIGTERM).
 
 }  // namespace headroom

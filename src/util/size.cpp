@@ -10,9 +10,10 @@ namespace headroom {
 
 int64_t parse_size(std::string_view text, std::string_view what) {
   auto bad = [&]() -> int64_t {
-    fail("{}: '{}' is not a size; accepted: a number with an optional unit B, KB, MB, GB, TB, "
-         "KiB, MiB, GiB or TiB (e.g. 512MiB, 24GiB, 80GB)",
-         what, text);
+    fail(
+        "{}: '{}' is not a size; accepted: a number with an optional unit B, KB, MB, GB, TB, "
+        "KiB, MiB, GiB or TiB (e.g. 512MiB, 24GiB, 80GB)",
+        what, text);
   };
   std::string s(text);
   size_t i = 0;
@@ -28,16 +29,26 @@ int64_t parse_size(std::string_view text, std::string_view what) {
     unit += static_cast<char>(std::tolower(static_cast<unsigned char>(s[j])));
   }
   double scale = 0;
-  if (unit.empty() || unit == "b") scale = 1;
-  else if (unit == "kb") scale = 1e3;
-  else if (unit == "mb") scale = 1e6;
-  else if (unit == "gb") scale = 1e9;
-  else if (unit == "tb") scale = 1e12;
-  else if (unit == "kib") scale = 1024.0;
-  else if (unit == "mib") scale = 1024.0 * 1024;
-  else if (unit == "gib") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "tib") scale = 1024.0 * 1024 * 1024 * 1024;
-  else return bad();
+  if (unit.empty() || unit == "b")
+    scale = 1;
+  else if (unit == "kb")
+    scale = 1e3;
+  else if (unit == "mb")
+    scale = 1e6;
+  else if (unit == "gb")
+    scale = 1e9;
+  else if (unit == "tb")
+    scale = 1e12;
+  else if (unit == "kib")
+    scale = 1024.0;
+  else if (unit == "mib")
+    scale = 1024.0 * 1024;
+  else if (unit == "gib")
+    scale = 1024.0 * 1024 * 1024;
+  else if (unit == "tib")
+    scale = 1024.0 * 1024 * 1024 * 1024;
+  else
+    return bad();
   const double bytes = value * scale;
   if (bytes > std::ldexp(1.0, 62)) {
     fail("{}: '{}' is larger than headroom accepts (at most 4 EiB)", what, text);
