@@ -119,6 +119,7 @@ TEST(Cli, BadInputThatOnceMisledNowSaysWhatIsAccepted) {
   expect_usage_error("train --config /dev/urandom", "'/dev/urandom' is not a regular file");
   expect_usage_error("train --steps 4 --warmup 10", "--warmup 10 is longer than --steps 4");
   expect_usage_error("train --steps 4 --inject-oom 999:1", "--inject-oom 999:1: step 999 never runs");
+  expect_usage_error("train --steps 4 --inject-oom 2:above:1TiB", "no allocation of a step is that large");
   expect_usage_error("train --checkpoint " + std::string(HEADROOM_BINARY), "is a file");
 }
 

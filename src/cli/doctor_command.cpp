@@ -19,7 +19,8 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
   CLI::App* cmd = app.add_subcommand(
       "doctor",
       "Diagnose a configuration: run it under its budget, explain what happened (OOM, breakdown measured vs\n"
-      "estimated, leaks, fragmentation), try each lever for real, and recommend a plan proven to fit.\n"
+      "estimated, leaks, fragmentation), predict each lever and run those that decide (--thorough: all),\n"
+      "and recommend a plan proven to fit.\n"
       "Flags override an embedded default (tiny on the bundled corpus, cpu, batch 16 x seq 128 in 140 MiB,\n"
       "which does not fit); with none it runs that, in under a minute on two cores. Exit code 3 when no plan\n"
       "fits or the recommended one fails its 3 verification steps.");
@@ -30,8 +31,12 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
                      doctor_default());
   auto report = std::make_shared<std::string>();
   cmd->add_option("--report", *report, "also write a self-contained HTML report (charts as inline SVG) to FILE");
-  cmd->callback([config, report, &run] {
-    run = [config, report]() -> int {
+  auto thorough = std::make_shared<bool>(false);
+  cmd->add_flag("--thorough", *thorough,
+                "run every lever for real (on cpu the estimator predicts them, and only those near the budget are "
+                "run)");
+  cmd->callback([config, report, thorough, &run] {
+    run = [config, report, thorough]() -> int {
       RunConfig cfg = config();
       validate(cfg);
       if (!report->empty() && resolve_device(cfg.device).is_cuda()) cfg.memory_snapshot = *report + ".snapshot.pickle";
@@ -51,9 +56,12 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
         std::fclose(probe);
         pending.path = *report;
       }
-      const DoctorReport r = run_doctor(cfg, budget, [&](const std::string& line) {
-        if (!cfg.quiet) fmt::print(stderr, "doctor: {}\n", line);
-      });
+      const DoctorReport r = run_doctor(
+          cfg, budget,
+          [&](const std::string& line) {
+            if (!cfg.quiet) fmt::print(stderr, "doctor: {}\n", line);
+          },
+          *thorough);
       if (!pending.path.empty()) {
         write_file_atomically(pending.path, report_html(r), "--report");
         pending.written = true;

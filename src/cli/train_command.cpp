@@ -8,6 +8,8 @@
 
 #include "cli/plan_command.h"
 #include "cli/run_flags.h"
+#include "config/model_config.h"
+#include "estimate/estimator.h"
 #include "plan/oom_advice.h"
 #include "train/trainer.h"
 #include "util/error.h"
@@ -28,6 +30,17 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
       if (cfg.plan_auto) {
         validate(cfg);
         cfg = choose_plan(cfg);
+      }
+      if (cfg.inject_oom && cfg.inject_oom->above_bytes >= 0) {
+        // No allocation of a step is larger than the step's whole peak: an injection above it would
+        // never fire.
+        const int64_t peak = estimate(load_model_config(cfg.model, cfg.overrides), train_spec(cfg)).peak_bytes;
+        if (cfg.inject_oom->above_bytes >= peak) {
+          fail(
+              "--inject-oom {}: no allocation of a step is that large (the whole step's peak is estimated at {}); "
+              "accepted: a size below it",
+              cfg.inject_oom->text(), format_bytes(peak));
+        }
       }
       const TrainResult result = train(cfg);
       if (result.oom) {

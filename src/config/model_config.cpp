@@ -261,6 +261,16 @@ void validate(const ModelConfig& c, const std::string& origin) {
         "<= 4M, heads <= 65536, key/value heads <= heads, head dim <= 65536, max positions <= 16M)",
         origin);
   }
+  {
+    // The parameter count in floating point, so that an absurd combination cannot overflow.
+    const double d = static_cast<double>(c.hidden_size), q = static_cast<double>(c.num_heads * c.head_dim);
+    const double kv = static_cast<double>(c.num_kv_heads * c.head_dim), i = static_cast<double>(c.intermediate_size);
+    const double params = static_cast<double>(c.num_layers) * (d * (q + 2 * kv) + q * d + 3 * d * i) +
+                          2 * static_cast<double>(c.vocab_size) * d + static_cast<double>(c.max_positions) * d;
+    if (params > 1e15) {
+      fail("{}: the sizes make about {:.3g} parameters; accepted: at most 10^15", origin, params);
+    }
+  }
   if (c.head_dim * c.num_heads != c.hidden_size && c.family != Family::llama && c.family != Family::mistral &&
       c.family != Family::qwen2) {
     fail("{}: hidden size {} is not divisible by {} attention heads", origin, c.hidden_size, c.num_heads);

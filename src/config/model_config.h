@@ -6,9 +6,8 @@
 // Error naming it. The trainer (model/), and later the estimator, read only this struct.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>

@@ -104,7 +104,13 @@ TEST(ModelConfig, BadInputGetsOneLineErrors) {
   EXPECT_THAT([] { load_model_config("tiny", {"vocab_size=\"many\""}); },
               ThrowsMessage<Error>(HasSubstr("'vocab_size' must be an integer")));
   EXPECT_THAT([] { load_model_config("tiny", {"head_dim=4611686018427387904"}); },
-              ThrowsMessage<Error>(HasSubstr("sizes out of range")));
+              ThrowsMessage<Error>(HasSubstr("field 'head_dim' is out of range: 4611686018427387904")));
+  EXPECT_THAT([] { load_model_config("tiny", {"head_dim=100000"}); }, ThrowsMessage<Error>(HasSubstr("sizes out of range")));
+  // Each size within its range, together absurd: refused before the parameter count could overflow.
+  EXPECT_THAT([] { load_model_config("tiny", {"hidden_size=1048576", "intermediate_size=4194304",
+                                              "num_hidden_layers=10000", "num_attention_heads=16384",
+                                              "num_key_value_heads=16384", "head_dim=64"}); },
+              ThrowsMessage<Error>(HasSubstr("parameters; accepted: at most 10^15")));
   EXPECT_THAT([] { load_model_config("llama-3.2-1b", {R"(rope_scaling={"rope_type":"llama3","factor":"big"})"}); },
               ThrowsMessage<Error>(HasSubstr("rope_scaling.factor must be a number")));
   EXPECT_THAT([] { load_model_config("gpt2", {"scale_attn_by_inverse_layer_idx=true"}); },

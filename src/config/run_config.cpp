@@ -108,6 +108,10 @@ const std::vector<RunField>& run_fields() {
          c.seed = static_cast<uint64_t>(v);
        }},
       text("device", "auto (cuda when present), cpu, cuda or cuda:N", &RunConfig::device),
+      integer("threads",
+              "cpu intra-op threads (default: OMP_NUM_THREADS, else the cores not busy with other work, from the "
+              "load average; pin it for bit-identical runs across machines and loads)",
+              &RunConfig::threads),
       choice("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)", &RunConfig::attention,
              &parse_attention_path),
       choice("precision", "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling) or bf16 (pure)",
@@ -213,6 +217,7 @@ const char* leak_injection_name(LeakInjection leak) {
 }
 
 std::string OomInjection::text() const {
+  if (!given.empty()) return given;
   return nth > 0 ? fmt::format("{}:{}", step, nth) : fmt::format("{}:above:{}", step, above_bytes);
 }
 
@@ -239,6 +244,7 @@ OomInjection parse_oom_injection(const std::string& text) {
     return bad();
   }
   if (o.step <= 0) return bad();
+  o.given = text;
   return o;
 }
 
@@ -279,6 +285,7 @@ void validate(const RunConfig& c) {
   if (c.grad_clip < 0) fail("--grad-clip must be non-negative (0 turns clipping off), got {}", c.grad_clip);
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
+  if (c.threads < 0 || c.threads > 4096) fail("--threads must be in [0, 4096] (0: automatic), got {}", c.threads);
   if (c.memory_budget && *c.memory_budget <= 0) fail("--memory-budget must be positive, got {}", *c.memory_budget);
   if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);
   if (c.inject_oom && c.inject_oom->step > c.end_step()) {

@@ -34,7 +34,8 @@ struct OomInjection {
   int64_t step = 0;          // 1-based optimizer step
   int64_t nth = 0;           // > 0: fail the n-th allocation of that step
   int64_t above_bytes = -1;  // >= 0: fail its first allocation larger than this
-  std::string text() const;  // as given: "2:150", "3:above:1048576"
+  std::string given;         // the flag's text, for messages
+  std::string text() const;  // as given: "2:150", "3:above:1MiB"
 };
 
 struct RunConfig {
@@ -53,6 +54,7 @@ struct RunConfig {
   double grad_clip = 1.0;    // max global grad norm; 0 turns clipping off
   uint64_t seed = 1234;
   std::string device = "auto";
+  int64_t threads = 0;  // cpu intra-op threads; 0: the cores free now (device/device.h)
   AttentionPath attention = AttentionPath::flash;
   Precision precision = Precision::fp32;
   CheckpointPolicy checkpointing;

@@ -1,6 +1,12 @@
 #include "device/device.h"
 
+#include <sched.h>
+#include <stdlib.h>
+
+#include <algorithm>
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
 
 #include "device/cuda_adapter.h"
@@ -26,6 +32,17 @@ c10::Device resolve_device(const std::string& name) {
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
   fail("--device '{}': accepted: auto, cpu, cuda, cuda:N", name);
+}
+
+int cpu_threads_for_run(int64_t requested) {
+  if (requested > 0) return static_cast<int>(requested);
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && std::atoi(env) > 0) return std::atoi(env);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  double load = 0;
+  if (getloadavg(&load, 1) != 1) load = 0;
+  return std::clamp(static_cast<int>(std::lround(static_cast<double>(cores) - load)), 1, cores);
 }
 
 std::optional<int64_t> device_memory_available(const c10::Device& device) {

@@ -11,14 +11,15 @@
 #include "device/cuda_adapter.h"
 #include "device/device.h"
 #include "memory/oom_report.h"
+#include "plan/cost_model.h"
 #include "plan/levers.h"
 #include "plan/oom_advice.h"
 #include "train/static_graph.h"
 #include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/error.h"
-#include "util/interrupt.h"
 #include "util/files.h"
+#include "util/interrupt.h"
 #include "util/size.h"
 
 namespace headroom {
@@ -150,20 +151,50 @@ RunConfig doctor_default() {
   return c;
 }
 
-DoctorReport run_doctor(const RunConfig& given, int64_t budget,
-                        const std::function<void(const std::string&)>& progress) {
-  const auto start = std::chrono::steady_clock::now();
-  auto say = [&](const std::string& s) {
-    if (progress) progress(s);
+namespace {
+
+std::string format_eta(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  return s >= 60 ? fmt::format("{}:{:02} left", s / 60, s % 60) : fmt::format("{} s left", s);
+}
+
+// A step's predicted time relative to another's: the FLOPs of its micro-batches, times how much
+// slower its precision's matmuls are (plan/cost_model.h's model without a calibration).
+double predicted_time_ratio(const ModelConfig& model, const RunConfig& c, const RunConfig& reference) {
+  auto work = [&](const RunConfig& x) {
+    return static_cast<double>(x.accum) * micro_batch_flops(model, x.batch, x.seq, x.checkpointing, x.attention) *
+           precision_slowdown(x.precision, x.device);
   };
+  return work(c) / work(reference);
+}
+
+}  // namespace
+
+DoctorReport run_doctor(const RunConfig& given, int64_t budget, const std::function<void(const std::string&)>& progress,
+                        bool thorough) {
+  const auto start = std::chrono::steady_clock::now();
   DoctorReport r;
   RunConfig cfg = given;
   cfg.memory_budget = budget;
   r.config = cfg;
   r.budget = budget;
-  r.device = resolve_device(cfg.device).str();
+  const at::Device device = resolve_device(cfg.device);
+  r.device = device.str();
   const ModelConfig model = load_model_config(cfg.model, cfg.overrides);
   const int64_t global = cfg.batch * cfg.accum;
+  // On cpu the estimator is exact (estimator_test.cpp), so a lever's memory is predicted and only
+  // what decides the answer is run; on cuda (fragmentation, workspaces) every lever is run.
+  const bool predict_first = !device.is_cuda() && !thorough;
+  const bool free_trials = !device.is_cuda();  // on cpu a trial can run beyond the budget, on the machine's memory
+  double reference_seconds = 0;                // a step of the configuration as given (or of the reference)
+  // Time left: what the remaining trials are expected to take, in reference steps.
+  double pending_steps = 0;
+  auto say = [&](const std::string& s) {
+    if (!progress) return;
+    progress(reference_seconds > 0 && pending_steps > 0
+                 ? fmt::format("{} (about {})", s, format_eta(pending_steps * reference_seconds))
+                 : s);
+  };
 
   // (1) What happened.
   say(fmt::format("1/5 running the configuration as given: {}, 3 steps under {}", describe_run(cfg),
@@ -179,13 +210,27 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
     report.advice = oom_advice(report, as_trial(cfg, 3));
     r.oom_text = report.to_text();
     r.measured = base.oom.breakdown;
+  } else if (!base.result.steps.empty()) {
+    reference_seconds = base.result.median_step_seconds();
   }
   r.estimate = estimate(model, train_spec(cfg));
-  // On cpu the whole step can be measured on the machine's own memory: every peak below is a real
-  // one, compared with the budget, not a failure's lower bound. (On cuda the card is the limit.)
-  const bool free_trials = !resolve_device(cfg.device).is_cuda();
-  double reference_seconds = 0;
-  if (free_trials) {
+  PlanRequest pr;
+  pr.base = cfg;
+  pr.global_batch = global;
+  pr.budget = budget;
+  const PlanResult candidates = fitting_plans(pr);
+  if (candidates.plans.empty()) {
+    // Nothing any lever reaches fits: no trial can change that, so none is run.
+    r.plan_note = fmt::format(
+        "nothing can fit {}: the smallest peak any combination of levers reaches is {} ({}), by the estimator; "
+        "a larger budget, a shorter --seq or a smaller model is needed",
+        format_bytes(budget), format_bytes(candidates.smallest_peak), candidates.smallest_peak_plan);
+    r.leak.reason = "not run: no configuration fits the budget";
+    r.fragmentation = "not measured: no configuration fits the budget";
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return r;
+  }
+  if (free_trials && r.oom) {
     say("1/5 measuring the whole step as given, on the machine's memory");
     const TrialRun whole = run_trial(cfg, 1, false);
     if (whole.fits) {
@@ -195,34 +240,68 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
       reference_seconds = whole.first_step_seconds;
       r.reference = "the configuration as given";
     }
+  } else if (!r.oom) {
+    r.measured_whole_step = true;
+    r.reference = "the configuration as given";
   }
 
-  // (2) Leaks, at a micro-batch that fits; its step time is the levers' reference.
-  RunConfig reference = cfg;
-  if (r.oom) {
-    const int64_t m = std::max<int64_t>(1, largest_fitting_micro(model, cfg, budget));
-    reference.batch = m;
-    reference.accum = (global + m - 1) / m;
+  // (3-8) Each lever: predicted by the estimator, and run for real where the prediction is close
+  // enough to the budget to decide whether it fits (or every one, with --thorough, and on cuda).
+  // A precision whose matmuls this device emulates is not run: a step would take many times the
+  // reference, and its memory is what the estimator says.
+  const std::vector<LeverChange> changes = lever_changes(cfg, model.num_layers);
+  struct Row {
+    const LeverChange* change;
+    RunConfig config;
+    int64_t predicted_peak;
+    double predicted_ratio;
+    bool run, slow;
+  };
+  std::vector<Row> rows;
+  for (const LeverChange& ch : changes) {
+    RunConfig c = cfg;
+    ch.apply(c);
+    const int64_t peak = estimate(model, train_spec(c)).peak_bytes;
+    const double ratio = predicted_time_ratio(model, c, cfg);
+    const bool slow = precision_slowdown(c.precision, c.device) > 4;
+    const bool near = std::abs(static_cast<double>(peak - budget)) <= 0.15 * static_cast<double>(budget);
+    rows.push_back({&ch, c, peak, ratio, !slow && (!predict_first || near), slow});
   }
-  r.leak_run = fmt::format("{}, 12 steps", describe_run(reference));
-  say("2/5 leak check: " + r.leak_run);
+  // (2) Leaks, at a micro-batch that fits, one micro-batch per step: growth from step to step does
+  // not depend on how a global batch is split, and each step costs a micro-batch, not a global one.
+  RunConfig reference = cfg;
+  if (r.oom) reference.batch = std::max<int64_t>(1, largest_fitting_micro(model, cfg, budget));
   RunConfig leak_config = reference;
+  leak_config.accum = 1;
   leak_config.leak_origins = true;  // cuda: the allocator tags each allocation with its step and phase
-  const TrialRun leak_trial = run_trial(leak_config, 12, !free_trials);
+  const double leak_step = reference_seconds > 0 ? predicted_time_ratio(model, leak_config, cfg) : 0;
+  const int64_t leak_steps = leak_step > 0 && 12 * leak_step * reference_seconds > 20 ? 8 : 12;
+  r.leak_run = fmt::format("{}, {} steps", describe_run(leak_config), leak_steps);
+  // Time left, in steps of the configuration as given: the leak check, the levers that run, the
+  // calibration (4 steps at micro-batches 1 and 4) and the verification (2 steps).
+  RunConfig one = cfg, four = cfg;
+  one.batch = one.accum = 1;
+  four.batch = std::min<int64_t>(4, global);
+  four.accum = 1;
+  pending_steps = static_cast<double>(leak_steps) * leak_step + 4 * predicted_time_ratio(model, one, cfg) +
+                  4 * predicted_time_ratio(model, four, cfg) + 2;
+  for (const Row& row : rows) pending_steps += row.run ? row.predicted_ratio : 0;
+  say("2/5 leak check: " + r.leak_run);
+  const TrialRun leak_trial = run_trial(leak_config, leak_steps, !free_trials);
+  pending_steps = std::max(0.0, pending_steps - static_cast<double>(leak_steps) * leak_step);
   r.leak = judge_growth(leak_trial.result.live_series());
   if (!leak_trial.fits) {
-    r.leak.reason += fmt::format("; the run ran out of memory in step {} of 12{}", leak_trial.oom.step,
+    r.leak.reason += fmt::format("; the run ran out of memory in step {} of {}{}", leak_trial.oom.step, leak_steps,
                                  r.leak.detected ? ", as the growth predicts" : "");
-  }
-  if (leak_trial.fits) {
+  } else {
     if (r.leak.detected) r.leak.sites = leak_trial.result.summary.surviving;
-    if (reference_seconds == 0) {
-      reference_seconds = leak_trial.first_step_seconds;
-      r.reference = describe_run(reference);
+    if (reference_seconds == 0 && !leak_trial.result.steps.empty()) {
+      reference_seconds = leak_trial.result.median_step_seconds() / predicted_time_ratio(model, leak_config, cfg);
+      r.reference = "the configuration as given (from the leak check's steps)";
     }
   }
-  if (resolve_device(cfg.device).is_cuda()) {
-    const CudaMemoryStats st = cuda_memory_stats(resolve_device(cfg.device).index());
+  if (device.is_cuda()) {
+    const CudaMemoryStats st = cuda_memory_stats(device.index());
     r.fragmentation = fmt::format(
         "reserved {} vs allocated {}: {} cached but unused ({} of it split inside live "
         "segments)",
@@ -234,39 +313,49 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
         "fragment (on cuda this compares reserved with allocated)";
   }
 
-  // (3-8) Each applicable lever, tried for real from the configuration as given.
-  const std::vector<LeverChange> changes = lever_changes(cfg, model.num_layers);
   int index = 0;
   std::map<Precision, double> precision_ratio;  // step time against the configuration's precision
-  for (const LeverChange& ch : changes) {
-    say(fmt::format("3/5 lever {}/{}: {} {}", ++index, changes.size(), lever_name(ch.lever), ch.setting));
-    RunConfig c = cfg;
-    ch.apply(c);
-    const TrialRun t = run_trial(c, 1, !free_trials);
+  for (const Row& row : rows) {
+    const LeverChange& ch = *row.change;
     LeverTrial lt;
     lt.lever = lever_name(ch.lever);
     lt.setting = ch.setting;
+    lt.note = ch.note;
+    if (!row.run) {
+      lt.measured = false;
+      lt.peak_bytes = row.predicted_peak;
+      lt.fits = row.predicted_peak <= budget;
+      lt.saving_bytes = r.estimate.peak_bytes - row.predicted_peak;
+      lt.step_time_ratio = row.predicted_ratio;
+      if (row.slow) {
+        lt.note += fmt::format("; not run: this device's {} matmuls are {:.0f}x slower than float32's (emulated)",
+                               precision_name(row.config.precision),
+                               precision_slowdown(row.config.precision, row.config.device));
+      }
+      r.levers.push_back(lt);
+      continue;
+    }
+    say(fmt::format("3/5 lever {}/{}: {} {}", ++index,
+                    std::count_if(rows.begin(), rows.end(), [](const Row& x) { return x.run; }), lever_name(ch.lever),
+                    ch.setting));
+    const TrialRun t = run_trial(row.config, 1, !free_trials);
+    pending_steps = std::max(0.0, pending_steps - row.predicted_ratio);
     lt.fits = t.fits && t.peak <= budget;
     lt.peak_bytes = t.peak;
     lt.saving_bytes = r.measured_peak - t.peak;
     lt.step_time_ratio = t.fits && reference_seconds > 0 ? t.first_step_seconds / reference_seconds : 0;
-    lt.note = ch.note + (t.fits ? "" : "; out of memory (peak: in use at the failure plus the request)");
-    if (r.measured_whole_step && ch.lever == Lever::precision && t.fits && lt.step_time_ratio > 0)
-      precision_ratio[c.precision] = lt.step_time_ratio;
+    if (!t.fits) lt.note += "; out of memory (peak: in use at the failure plus the request)";
+    if (ch.lever == Lever::precision && t.fits && lt.step_time_ratio > 0) {
+      precision_ratio[row.config.precision] = lt.step_time_ratio;
+    }
     r.levers.push_back(lt);
   }
-  if (r.measured_whole_step) {
-    // The first steps of a process run slower (the allocator and the kernels warm up): the
-    // configuration's own step is timed again after the levers, and the faster time is the reference.
-    const TrialRun again = run_trial(cfg, 1, false);
-    if (again.fits && again.first_step_seconds < reference_seconds) {
-      const double scale = reference_seconds / again.first_step_seconds;
-      reference_seconds = again.first_step_seconds;
-      for (LeverTrial& l : r.levers) l.step_time_ratio *= scale;
-      for (auto& [p, ratio] : precision_ratio) ratio *= scale;
+  for (Precision p : precisions_of(candidates)) {
+    // Precisions not timed by a trial: their matmul slowdown stands in for the step's.
+    if (p != cfg.precision && !precision_ratio.count(p)) {
+      precision_ratio[p] = precision_slowdown(p, cfg.device) / precision_slowdown(cfg.precision, cfg.device);
     }
   }
-  const at::Device device = resolve_device(cfg.device);
   const std::string at_reference =
       reference.batch == cfg.batch ? "" : fmt::format(" (at the leak check's micro-batch {})", reference.batch);
   if (device.is_cuda()) {
@@ -286,33 +375,49 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget,
                         "does not apply on cpu: CUDA graphs capture GPU kernel launches"});
   }
 
-  // The recommendation, and its proof.
+  // The recommendation, and its proof. The cost model is calibrated in the configuration's own
+  // precision; the others are scaled by what their trials (or their matmuls) measured.
   say("4/5 planning: the estimator's candidates under the budget, ranked by a calibrated cost model");
-  PlanRequest pr;
-  pr.base = cfg;
-  pr.global_batch = global;
-  pr.budget = budget;
-  // The step-time model: calibrated in the configuration's precision; other precisions scaled by
-  // what their lever trials measured (or timed now, when a trial did not run to the end).
   RunConfig timing = cfg;
   timing.memory_budget.reset();
   const PlanResult plans = plan_with_calibration(
       pr, [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); },
       precision_ratio, [&](const std::string& line) { say("4/5 " + line); });
-  if (!plans.plans.empty()) {
+  pending_steps = 2;
+  if (plans.plans.empty()) {
+    r.plan_note = fmt::format("no plan fits: the smallest predicted peak is {} ({})", format_bytes(plans.smallest_peak),
+                              plans.smallest_peak_plan);
+  } else {
+    // The configuration as given fits: what is recommended keeps its numerics (precision and
+    // optimizer); faster plans that change them are options, not a fix.
+    r.fits_as_given = !r.oom;
+    const Plan* chosen = &plans.plans.front();
+    if (r.fits_as_given) {
+      for (const Plan& p : plans.plans) {
+        if (p.precision == cfg.precision && p.optimizer == cfg.optimizer) {
+          chosen = &p;
+          break;
+        }
+      }
+      for (const Plan& p : plans.plans) {
+        if ((p.precision != cfg.precision || p.optimizer != cfg.optimizer) && r.options.size() < 3 &&
+            p.predicted_step_seconds < chosen->predicted_step_seconds) {
+          r.options.push_back(p);
+        }
+      }
+    }
     r.plan_found = true;
-    r.plan = plans.plans.front();
-    say(fmt::format("5/5 training the recommended plan for 3 steps under {}", format_bytes(budget)));
+    r.plan = *chosen;
+    pending_steps = 2 * predicted_time_ratio(model, with_plan(cfg, r.plan), cfg);
+    say(fmt::format("5/5 training the recommended plan for 2 steps under {}", format_bytes(budget)));
     // On cuda, PyTorch's memory snapshot of these steps goes next to the report.
-    const TrialRun v = run_trial(with_plan(cfg, r.plan), 3, true, given.memory_snapshot);
+    const TrialRun v = run_trial(with_plan(cfg, r.plan), 2, true, given.memory_snapshot);
     if (!given.memory_snapshot.empty() && v.fits) r.snapshot = given.memory_snapshot;
     r.plan_verified = v.fits;
     r.verified_peak_bytes = v.peak;
     r.timeline = v.timeline;
-    r.plan_note = fmt::format("best of {} plans that fit ({} considered)", plans.plans.size(), plans.considered);
-  } else {
-    r.plan_note = fmt::format("no plan fits: the smallest predicted peak is {} ({})", format_bytes(plans.smallest_peak),
-                              plans.smallest_peak_plan);
+    r.plan_note = fmt::format("best of {} plans that fit ({} considered){}", plans.plans.size(), plans.considered,
+                              r.fits_as_given ? ", keeping the configuration's precision and optimizer" : "");
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
@@ -329,6 +434,7 @@ nlohmann::json DoctorReport::to_json() const {
          {"saving_bytes", l.applies ? nlohmann::json(l.saving_bytes) : nlohmann::json()},
          {"step_time_ratio", l.applies && l.fits ? nlohmann::json(l.step_time_ratio) : nlohmann::json()},
          {"fits", l.fits},
+         {"measured", l.applies && l.measured},
          {"note", l.note}});
   }
   nlohmann::json plan_json;
@@ -337,6 +443,8 @@ nlohmann::json DoctorReport::to_json() const {
     plan_json["verified_peak_bytes"] = verified_peak_bytes;
     plan_json["verified"] = plan_verified;
   }
+  nlohmann::json options_json = nlohmann::json::array();
+  for (const Plan& p : options) options_json.push_back(p.to_json());
   return {{"model", {{"name", estimate.model}, {"params", estimate.params}}},
           {"device", device},
           {"budget_bytes", budget},
@@ -351,7 +459,10 @@ nlohmann::json DoctorReport::to_json() const {
           {"leak", leak.to_json()},
           {"fragmentation", fragmentation},
           {"levers", levers_json},
+          {"fits_as_given", fits_as_given},
           {"plan", plan_json},
+          {"options", options_json},
+          {"plan_note", plan_note},
           {"seconds", seconds}};
 }
 
@@ -362,7 +473,8 @@ std::string DoctorReport::to_text() const {
                      describe_run(config), config.seq);
   out += "1. What happened\n";
   if (oom) {
-    out += fmt::format("   OUT OF MEMORY in {} of step {}:\n", oom_phase, oom_step);
+    out += oom_step == 0 ? std::string("   OUT OF MEMORY before the first step:\n")
+                         : fmt::format("   OUT OF MEMORY in {} of step {}:\n", oom_phase, oom_step);
     // The facts and every category of what was in use (the largest is what to act on).
     std::string text = oom_text;
     size_t pos = 0;
@@ -393,30 +505,43 @@ std::string DoctorReport::to_text() const {
   out += fmt::format("   the estimate's peak is in {}\n\n", phase_name(estimate.peak_phase));
 
   out += "2. Leaks and fragmentation\n";
-  out += fmt::format("   leak: {} ({})\n", leak.detected ? "DETECTED" : "none", leak_run);
+  if (leak_run.empty()) {
+    out += "   leak: not checked\n";
+  } else {
+    out += fmt::format("   leak: {} ({})\n", leak.detected ? "DETECTED" : "none", leak_run);
+  }
   out += "     " + leak.reason + "\n";
   for (const LeakSite& s : leak.sites) out += "     - " + s.description + "\n";
   out += "   fragmentation: " + fragmentation + "\n\n";
 
-  out +=
-      fmt::format("3. Levers, each tried for real (step time relative to {})\n", reference.empty() ? "-" : reference);
-  out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5}  {}\n", "lever", "setting", "peak", "saving", "time",
-                     "fits", "note");
+  if (levers.empty()) {
+    out += "3. Levers: not tried\n";
+  } else {
+    out += fmt::format(
+        "3. Levers (step time relative to {}; \"run\": measured in a real step, \"est\": predicted by the "
+        "estimator and the cost model)\n",
+        reference.empty() ? "-" : reference);
+  }
+  if (!levers.empty()) {
+    out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5} {:>4}  {}\n", "lever", "setting", "peak", "saving",
+                       "time", "fits", "how", "note");
+  }
   for (const LeverTrial& l : levers) {
     if (!l.applies) {
-      out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5}  {}\n", l.lever, l.setting, "-", "-", "-", "-",
-                         l.note);
+      out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5} {:>4}  {}\n", l.lever, l.setting, "-", "-", "-",
+                         "-", "-", l.note);
       continue;
     }
-    out += fmt::format(
-        "   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5}  {}\n", l.lever, l.setting, format_bytes(l.peak_bytes),
-        (l.saving_bytes < 0 ? "-" : "") + format_bytes(std::abs(l.saving_bytes)),
-        l.step_time_ratio > 0 ? fmt::format("{:.2f}x", l.step_time_ratio) : "-", l.fits ? "yes" : "NO", l.note);
+    out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5} {:>4}  {}\n", l.lever, l.setting,
+                       format_bytes(l.peak_bytes),
+                       (l.saving_bytes < 0 ? "-" : "") + format_bytes(std::abs(l.saving_bytes)),
+                       l.step_time_ratio > 0 ? fmt::format("{:.2f}x", l.step_time_ratio) : "-", l.fits ? "yes" : "NO",
+                       l.measured ? "run" : "est", l.note);
   }
-  out += "\n4. Recommended plan\n";
+  out += fits_as_given ? "\n4. Plan: the configuration as given fits\n" : "\n4. Recommended plan\n";
   if (plan_found) {
     out += fmt::format("   {} ({})\n", plan.describe(), plan_note);
-    out += fmt::format("   predicted peak {}; trained for 3 steps: peak {} of {} — {}\n",
+    out += fmt::format("   predicted peak {}; trained for 2 steps: peak {} of {} — {}\n",
                        format_bytes(plan.predicted_peak_bytes), format_bytes(verified_peak_bytes), format_bytes(budget),
                        plan_verified ? "fits" : "DID NOT FIT");
     std::string flags;
@@ -428,6 +553,14 @@ std::string DoctorReport::to_text() const {
         config.model, flags, config.device, config.seed, config.seq, plan.batch, plan.accum,
         precision_name(plan.precision), plan.checkpointing.name(), attention_path_name(plan.attention),
         optimizer_name(plan.optimizer), budget);
+    if (!options.empty()) {
+      out += "   faster options that change the numerics (precision or optimizer), by the cost model:\n";
+      for (const Plan& p : options) {
+        out +=
+            fmt::format("     {}: {:.2f}x the step time of the plan above, predicted peak {}\n", p.describe(),
+                        p.predicted_step_seconds / plan.predicted_step_seconds, format_bytes(p.predicted_peak_bytes));
+      }
+    }
   } else {
     out += "   " + plan_note + "\n";
   }

@@ -36,6 +36,7 @@ struct LeverTrial {
   int64_t saving_bytes = 0;    // against the configuration as given
   double step_time_ratio = 0;  // first step's time against the reference's; 0 when not measured
   std::string note;
+  bool measured = true;  // false: peak and time are the estimator's and the cost model's predictions
 };
 
 // One point of the memory-over-time chart: live bytes entering a phase, its peak, leaving it.
@@ -67,7 +68,9 @@ struct DoctorReport {
   std::vector<LeverTrial> levers;
   // the recommendation
   bool plan_found = false;
+  bool fits_as_given = false;  // then `plan` keeps the configuration's numerics, and `options` change them
   Plan plan;
+  std::vector<Plan> options;  // faster plans that change the precision or the optimizer
   bool plan_verified = false;
   int64_t verified_peak_bytes = 0;
   std::string plan_note;
@@ -81,10 +84,13 @@ struct DoctorReport {
   std::string to_text() const;
 };
 
-// Runs the diagnosis; `progress` receives a line per stage (may be null). On cuda, a
-// config.memory_snapshot path receives PyTorch's memory snapshot of the recommended plan's steps.
+// Runs the diagnosis; `progress` receives a line per stage with the time left (may be null). On
+// cuda, a config.memory_snapshot path receives PyTorch's memory snapshot of the recommended plan's
+// steps. On cpu the levers are predicted by the estimator and only those whose prediction lies
+// near the budget are run (`thorough`: every one, as on cuda). When no combination of levers can
+// fit, it says so after the first run, without trying them.
 DoctorReport run_doctor(const RunConfig& config, int64_t budget,
-                        const std::function<void(const std::string&)>& progress);
+                        const std::function<void(const std::string&)>& progress, bool thorough = false);
 
 // The embedded default: a small model on the bundled corpus, on cpu, with a budget too small for
 // its naive setting.

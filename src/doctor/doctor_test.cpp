@@ -2,8 +2,10 @@
 // the levers, and its recommended plan trains under the budget; its report renders in Chromium.
 #include "doctor/doctor.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -42,6 +44,7 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   EXPECT_FALSE(r.leak.detected) << r.leak.reason;
 
   bool saw[5] = {};
+  int measured = 0, predicted = 0;
   for (const LeverTrial& l : r.levers) {
     if (l.lever == "accumulation") saw[0] = true;
     if (l.lever == "precision") saw[1] = true;
@@ -49,8 +52,10 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
     if (l.lever == "attention") saw[3] = true;
     if (l.lever == "optimizer") saw[4] = true;
     if (l.lever == "optimizer" && l.setting == "adam") {
-      EXPECT_EQ(l.peak_bytes, r.measured_peak) << "adam and adamw hold the same state";
+      // Adam and AdamW hold the same state: the same peak, measured or predicted.
+      EXPECT_EQ(l.peak_bytes, l.measured ? r.measured_peak : r.estimate.peak_bytes);
     }
+    if (l.applies) (l.measured ? measured : predicted) += 1;
     if (l.lever == "checkpointing" && l.setting == "full") {
       EXPECT_TRUE(l.fits);
       EXPECT_GT(l.saving_bytes, 0);
@@ -63,6 +68,9 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
     }
   }
   for (bool s : saw) EXPECT_TRUE(s);
+  // On cpu the estimator predicts the levers and only those near the budget run for real.
+  EXPECT_GT(measured, 0);
+  EXPECT_GT(predicted, 0);
 
   ASSERT_TRUE(r.plan_found) << r.plan_note;
   EXPECT_TRUE(r.plan_verified);
@@ -100,6 +108,36 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   const std::string data = bytes.str();
   ASSERT_GT(data.size(), 20'000u) << "a screenshot of the rendered page";
   EXPECT_EQ(data.substr(1, 3), "PNG");
+}
+
+// A budget nothing can fit is said so at once: no lever trial, no plan, the smallest peak named.
+TEST(Doctor, ABudgetNothingCanFitStopsEarlyAndSaysWhy) {
+  RunConfig cfg = doctor_default();
+  const auto started = std::chrono::steady_clock::now();
+  const DoctorReport r = run_doctor(cfg, 1024, nullptr);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_TRUE(r.oom);
+  EXPECT_FALSE(r.plan_found);
+  EXPECT_TRUE(r.levers.empty());
+  EXPECT_THAT(r.plan_note, ::testing::HasSubstr("nothing can fit 1.00 KiB: the smallest peak any combination of "
+                                                "levers reaches is"));
+  EXPECT_LT(seconds, 30) << "no trial beyond the configuration as given";
+}
+
+// When the configuration as given fits, the plan keeps its numerics (precision, optimizer); faster
+// plans that change them are listed as options.
+TEST(Doctor, AConfigurationThatFitsKeepsItsNumericsAndListsOptions) {
+  RunConfig cfg = doctor_default();
+  cfg.batch = 4;
+  cfg.seq = 64;
+  const DoctorReport r = run_doctor(cfg, int64_t{4} << 30, nullptr);
+  EXPECT_FALSE(r.oom);
+  EXPECT_TRUE(r.fits_as_given);
+  ASSERT_TRUE(r.plan_found) << r.plan_note;
+  EXPECT_EQ(r.plan.precision, cfg.precision);
+  EXPECT_EQ(r.plan.optimizer, cfg.optimizer);
+  for (const Plan& p : r.options) EXPECT_TRUE(p.precision != cfg.precision || p.optimizer != cfg.optimizer);
+  EXPECT_THAT(r.to_text(), ::testing::HasSubstr("4. Plan: the configuration as given fits"));
 }
 
 }  // namespace

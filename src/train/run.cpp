@@ -1,5 +1,6 @@
 #include "train/run.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
@@ -43,6 +44,7 @@ MadeRun make_run(const RunConfig& cfg) {
   if (cfg.inject_oom && device.is_cuda())
     fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
 
+  if (!device.is_cuda()) at::set_num_threads(cpu_threads_for_run(cfg.threads));
   auto run = std::make_unique<Run>(cfg, device);
   run->model_config = load_model_config(cfg.model, cfg.overrides);
   const ModelConfig& mc = run->model_config;

@@ -1,7 +1,15 @@
 #include "train/step_timing.h"
 
-#include <algorithm>
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <mutex>
+
+#include "device/cuda_adapter.h"
+#include "device/device.h"
 #include "train/trainer.h"
 #include "util/interrupt.h"
 
@@ -21,6 +29,32 @@ std::optional<double> time_train_step(const RunConfig& base, Precision precision
   throw_if_interrupted("while timing steps for the planner");
   if (!r.fits()) return std::nullopt;
   return r.median_step_seconds();
+}
+
+double precision_slowdown(Precision precision, const std::string& device_name) {
+  if (precision == Precision::fp32) return 1.0;
+  static std::map<std::pair<Precision, std::string>, double> known;
+  static std::mutex mutex;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find({precision, device_name}); it != known.end()) return it->second;
+  const c10::Device device = resolve_device(device_name);
+  const c10::NoGradGuard no_grad;
+  auto best_of = [&](at::ScalarType dtype) {
+    const auto options = at::TensorOptions().dtype(dtype).device(device);
+    const at::Tensor a = at::randn({256, 256}, options), b = at::randn({256, 256}, options);
+    double best = 1e9;
+    for (int i = 0; i < 4; ++i) {
+      if (device.is_cuda()) cuda_synchronize(device.index());
+      const auto t0 = std::chrono::steady_clock::now();
+      const at::Tensor c = at::mm(a, b);
+      if (device.is_cuda()) cuda_synchronize(device.index());
+      if (i > 0) best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  const double ratio = best_of(precision == Precision::fp16_mixed ? at::kHalf : at::kBFloat16) / best_of(at::kFloat);
+  known[{precision, device_name}] = ratio;
+  return ratio;
 }
 
 }  // namespace headroom

@@ -15,4 +15,10 @@ namespace headroom {
 // budget, no outputs, no OOM guard: nullopt when that shape does not fit the device.
 std::optional<double> time_train_step(const RunConfig& base, Precision precision, int64_t rows, int timed);
 
+// How much slower `precision`'s matmuls are than float32's on `device` ("cpu", "cuda:0"): a
+// 256 x 256 matmul timed in both, the best of a few runs each. Cheap (milliseconds, even where the
+// dtype is emulated), so it can tell a trial that would take minutes (fp16 on a CPU without fp16
+// arithmetic) before running it. Remembered per process.
+double precision_slowdown(Precision precision, const std::string& device);
+
 }  // namespace headroom

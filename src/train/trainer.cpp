@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -81,12 +82,14 @@ int64_t resume(Run& run) {
 void announce(const Run& run, int64_t start) {
   const RunConfig& c = run.config;
   const TextDataset& data = *run.data;
+  const std::string where =
+      run.device.is_cuda() ? run.device.str() : fmt::format("cpu ({} threads)", at::get_num_threads());
   fmt::print(stderr,
              "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {} x seq {}, {}, {}, "
              "checkpointing {}, steps {}..{}{}\n",
-             run.model_config.name, family_name(run.model_config.family), run.model->num_parameters() / 1e6,
-             run.device.str(), data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, c.batch, c.accum,
-             c.seq, precision_name(c.precision), run.optimizer->name(), c.checkpointing.name(), start + 1, c.steps,
+             run.model_config.name, family_name(run.model_config.family), run.model->num_parameters() / 1e6, where,
+             data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, c.batch, c.accum, c.seq,
+             precision_name(c.precision), run.optimizer->name(), c.checkpointing.name(), start + 1, c.steps,
              c.memory_budget ? fmt::format(", memory budget {}", format_bytes(*c.memory_budget)) : "");
 }
 
