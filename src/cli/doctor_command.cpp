@@ -11,6 +11,7 @@
 #include "doctor/report_html.h"
 #include "util/atomic_file.h"
 #include "util/error.h"
+#include "util/interrupt.h"
 #include "util/json.h"
 
 namespace headroom {
@@ -22,12 +23,12 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
       "estimated, leaks, fragmentation), predict each lever and run those that decide (--thorough: all),\n"
       "and recommend a plan proven to fit.\n"
       "Flags override an embedded default (tiny on the bundled corpus, cpu, batch 16 x seq 128 in 140 MiB,\n"
-      "which does not fit); with none it runs that, in under a minute on two cores. Exit code 3 when no plan\n"
-      "fits or the recommended one fails its 3 verification steps.");
+      "which does not fit); with none it runs that, in seconds on two cores. Exit code 3 when no plan\n"
+      "fits or the recommended one fails its 2 verification steps.");
   auto config =
       bind_run_flags(cmd,
                      {"model", "set", "data", "batch", "accum", "seq", "seed", "device", "attention", "precision",
-                      "checkpointing", "optimizer", "memory-budget", "inject-leak", "json", "quiet"},
+                      "checkpointing", "optimizer", "memory-budget", "inject-leak", "threads", "json", "quiet"},
                      doctor_default());
   auto report = std::make_shared<std::string>();
   cmd->add_option("--report", *report, "also write a self-contained HTML report (charts as inline SVG) to FILE");
@@ -39,6 +40,7 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
     run = [config, report, thorough]() -> int {
       RunConfig cfg = config();
       validate(cfg);
+      install_interrupt_handlers();  // Ctrl-C stops after the trial in flight
       if (!report->empty() && resolve_device(cfg.device).is_cuda()) cfg.memory_snapshot = *report + ".snapshot.pickle";
       const int64_t budget = device_budget(cfg, "doctor");
       // The report's path is tried first: a bad one fails before a minute of diagnosis, not after;

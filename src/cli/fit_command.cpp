@@ -10,6 +10,7 @@
 #include "estimate/estimator.h"
 #include "train/batch_search.h"
 #include "util/error.h"
+#include "util/interrupt.h"
 #include "util/json.h"
 #include "util/size.h"
 
@@ -24,13 +25,14 @@ void add_fit_command(CLI::App& app, std::function<int()>& run) {
       "Exit code 3 (with max_batch 0 in --json) when not even micro-batch 1 fits.");
   // What shapes a step's memory; schedule and output flags of `train` do not apply.
   auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "attention", "precision",
-                                     "checkpointing", "optimizer", "memory-budget", "json", "quiet"});
+                                     "checkpointing", "optimizer", "memory-budget", "threads", "json", "quiet"});
   auto limit = std::make_shared<int64_t>(1024);
   cmd->add_option("--max-batch", *limit, "largest micro-batch to consider")->check(CLI::Range(1, 1 << 20));
   cmd->callback([config, limit, &run] {
     run = [config, limit]() -> int {
       const RunConfig cfg = config();
       validate(cfg);
+      install_interrupt_handlers();  // Ctrl-C stops after the trial in flight
       const int64_t budget = device_budget(cfg, "fit");
       if (!cfg.quiet) {
         fmt::print(stderr, "headroom fit: {} at --seq {} within {}, micro-batches 1..{}\n", cfg.model, cfg.seq,

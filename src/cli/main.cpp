@@ -74,7 +74,6 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return report(json, kExitUsage, "error", first_line(e.what()) + " (see headroom --help)");
   }
-  install_interrupt_handlers();  // Ctrl-C and SIGTERM stop at the next safe point, not mid-write
   try {
     return run ? run() : kExitUsage;
   } catch (const Interrupted& e) {

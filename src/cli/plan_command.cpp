@@ -10,6 +10,7 @@
 #include "plan/planner.h"
 #include "train/step_timing.h"
 #include "util/error.h"
+#include "util/interrupt.h"
 #include "util/json.h"
 #include "util/size.h"
 
@@ -27,8 +28,10 @@ struct PlanOptions {
 // The planner with the cost model calibrated on this machine (unless --no-calibrate).
 PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& request) {
   CostModel::StepTimer timer;
-  if (o.calibrate)
+  if (o.calibrate) {
+    install_interrupt_handlers();  // the timed steps stop at a Ctrl-C
     timer = [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); };
+  }
   return plan_with_calibration(request, timer, {}, [&cfg](const std::string& line) {
     if (!cfg.quiet) fmt::print(stderr, "{}...\n", line);
   });
@@ -78,7 +81,7 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "--allow-optimizer-change), peak predicted by the estimator, step time by a cost model calibrated\n"
       "with a few timed steps on this machine. Exit code 3 when nothing fits.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "precision", "optimizer",
-                                     "memory-budget", "json", "quiet"});
+                                     "memory-budget", "threads", "json", "quiet"});
   auto o = std::make_shared<PlanOptions>();
   cmd->add_option("--global-batch", o->global_batch, "sequences per optimizer step (required)")
       ->required()

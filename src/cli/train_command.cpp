@@ -31,6 +31,8 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
         validate(cfg);
         cfg = choose_plan(cfg);
       }
+      validate(cfg);
+      install_interrupt_handlers();  // Ctrl-C and SIGTERM stop after the step in flight, with a checkpoint
       if (cfg.inject_oom && cfg.inject_oom->above_bytes >= 0) {
         // No allocation of a step is larger than the step's whole peak: an injection above it would
         // never fire.

@@ -87,7 +87,8 @@ const std::vector<RunField>& run_fields() {
       text("model", "model: a preset (tiny, small, gpt2, llama-3.2-1b, ...) or a config.json path", &RunConfig::model),
       {"set", Kind::list, "override a model config field, key=value (repeatable)",
        [](RunConfig& c, const std::string& s) { c.overrides.push_back(s); }},
-      text("data", "training text file (default: the bundled corpus); byte-level tokens", &RunConfig::data),
+      text("data", "training text file, up to 1 GiB (default: the bundled corpus); byte-level tokens",
+           &RunConfig::data),
       integer("steps", "optimizer steps to train (total, counting resumed ones)", &RunConfig::steps),
       integer("batch", "micro-batch size in sequences", &RunConfig::batch),
       integer("accum", "micro-batches accumulated per optimizer step", &RunConfig::accum),
@@ -250,6 +251,7 @@ OomInjection parse_oom_injection(const std::string& text) {
 
 RunConfig as_trial(RunConfig c, int64_t steps) {
   c.steps = steps;
+  c.warmup = -1;  // the given warm-up may be longer than a trial
   c.no_guard = true;
   c.eval_rows = 0;
   c.quiet = true;

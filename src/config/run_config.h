@@ -103,7 +103,8 @@ void apply_toml_file(RunConfig& config, const std::string& path);
 OomInjection parse_oom_injection(const std::string& text);
 
 // `config` as a short measuring run of `steps` steps: no OOM guard, no evaluation, no progress, no
-// outputs (metrics, checkpoints, snapshot), no resume, stop-at, plan or injected OOM. What it
+// outputs (metrics, checkpoints, snapshot), no resume, stop-at, plan or injected OOM, the default
+// warm-up. What it
 // trains (model, shapes, precision, budget, an injected leak) is kept.
 RunConfig as_trial(RunConfig config, int64_t steps);
 

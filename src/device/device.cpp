@@ -37,16 +37,23 @@ c10::Device resolve_device(const std::string& name) {
 int cpu_threads_for_run(int64_t requested) {
   if (requested > 0) return static_cast<int>(requested);
   if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && std::atoi(env) > 0) return std::atoi(env);
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  double load = 0;
-  if (getloadavg(&load, 1) != 1) load = 0;
-  return std::clamp(static_cast<int>(std::lround(static_cast<double>(cores) - load)), 1, cores);
+  // Once per process: later runs of the same command (the doctor's trials, the planner's timing)
+  // would see this process's own load and shrink, and their times would not compare.
+  static const int automatic = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    double load = 0;
+    if (getloadavg(&load, 1) != 1) load = 0;
+    return std::clamp(static_cast<int>(std::lround(static_cast<double>(cores) - load)), 1, cores);
+  }();
+  return automatic;
 }
 
 std::optional<int64_t> device_memory_available(const c10::Device& device) {
-  if (device.is_cuda()) return cuda_device_memory(device.has_index() ? device.index() : 0).free_bytes;
+  // On cuda the card's whole memory: what this process's caching allocator keeps cached from earlier
+  // runs is its own to reuse, and cudaMemGetInfo counts it as used.
+  if (device.is_cuda()) return cuda_device_memory(device.has_index() ? device.index() : 0).total_bytes;
   std::ifstream in("/proc/meminfo");
   std::string key;
   int64_t kib = 0;

@@ -1,16 +1,21 @@
 // Doctor — the systematic diagnosis (PRODUCT.md, the main job): run the configuration, see what
-// happens, and come back with measured answers for each lever and a plan that fits.
+// happens, and come back with an answer for each lever and a plan proven to fit, in time
+// proportional to what it has to find out.
 //
 // In lever order: (1) what happened — the run as configured, under its budget, with the guard off:
 // did it run out of memory, in which phase, step and allocation; the breakdown measured next to the
-// estimate. (2) leaks — a dozen steps at a micro-batch that fits, judged by the leak detector, with
-// the surviving allocations' sites. Fragmentation — on cuda, reserved against allocated. (3-6, 8)
-// each applicable lever tried for real in a short run: accumulation, precision, checkpointing,
-// attention, optimizer state (adam and adamw hold the same); its peak, saving, step time and whether
-// it fits. On cuda also empty-cache (what it returns and what the next step costs) and (7) static
-// graphs (the step eager against a replayed CUDA graph); on cpu both are said plainly not to apply.
-// On cuda the leak check's sites come from the caching allocator's own records. Then the planner's
-// recommendation, trained for a few steps to prove it fits.
+// estimate. If nothing any lever reaches can fit, it stops here and says so. (2) leaks — 8 to 12
+// steps of one micro-batch that fits, judged by the leak detector, with the surviving allocations'
+// sites. Fragmentation — on cuda, reserved against allocated. (3-6, 8) each lever: accumulation,
+// precision, checkpointing, attention, optimizer state (adam and adamw hold the same); its peak,
+// saving, step time and whether it fits — on cpu predicted by the estimator (exact there) and run
+// for real only where the prediction lies near the budget (all of them with `thorough`, and always
+// on cuda); a precision the device emulates is never run. On cuda also empty-cache (what it returns
+// and what the next step costs) and (7) static graphs (the step eager against a replayed CUDA
+// graph); on cpu both are said plainly not to apply. On cuda the leak check's sites come from the
+// caching allocator's own records. Then the planner's recommendation (keeping the configuration's
+// numerics when it fits as given, with faster options that change them listed), trained for 2
+// steps to prove it fits.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +37,7 @@ struct LeverTrial {
   std::string setting;  // "micro-batch 8 x accum 2", "bf16-mixed", ...
   bool applies = true;  // false: the note says why not
   bool fits = false;
-  int64_t peak_bytes = 0;      // measured (a failed trial: what was in use plus the request)
+  int64_t peak_bytes = 0;      // measured (a failed trial: what was in use plus the request), or predicted
   int64_t saving_bytes = 0;    // against the configuration as given
   double step_time_ratio = 0;  // first step's time against the reference's; 0 when not measured
   std::string note;

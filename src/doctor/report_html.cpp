@@ -182,36 +182,48 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
     html += "</ul>\n";
   }
   html += "<p>Fragmentation: " + escape(r.fragmentation) + "</p>\n";
-  html += "<h2>3. Levers, each tried</h2>\n<p>Peak of each trial against the budget (green: fits).</p>\n" +
-          levers_svg(r) + "\n";
+  html +=
+      "<h2>3. Levers</h2>\n<p>Peak of each lever against the budget (green: fits); \"run\": measured in a real "
+      "step, \"est\": predicted by the estimator and the cost model.</p>\n" +
+      levers_svg(r) + "\n";
   html += fmt::format(
       "<table id=\"lever-table\"><tr><th>lever</th><th>setting</th><th>peak</th><th>saving</th>"
-      "<th>step time (vs {})</th><th>fits</th><th>note</th></tr>\n",
+      "<th>step time (vs {})</th><th>fits</th><th>how</th><th>note</th></tr>\n",
       escape(r.reference));
   for (const auto& l : r.levers) {
     if (!l.applies) {
-      html += fmt::format("<tr><td>{}</td><td>{}</td><td colspan=\"4\">does not apply</td><td>{}</td></tr>\n",
+      html += fmt::format("<tr><td>{}</td><td>{}</td><td colspan=\"5\">does not apply</td><td>{}</td></tr>\n",
                           escape(l.lever), escape(l.setting), escape(l.note));
       continue;
     }
     html += fmt::format(
         "<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}{}</td>"
-        "<td class=\"num\">{}</td><td class=\"{}\">{}</td><td>{}</td></tr>\n",
+        "<td class=\"num\">{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td></tr>\n",
         escape(l.lever), escape(l.setting), escape(format_bytes(l.peak_bytes)), l.saving_bytes < 0 ? "−" : "",
         escape(format_bytes(std::abs(l.saving_bytes))),
         l.step_time_ratio > 0 ? fmt::format("{:.2f}×", l.step_time_ratio) : "—", l.fits ? "good" : "bad",
-        l.fits ? "yes" : "no", escape(l.note));
+        l.fits ? "yes" : "no", l.measured ? "run" : "est", escape(l.note));
   }
-  html += "</table>\n<h2>4. Recommended plan</h2>\n";
+  html += r.fits_as_given ? "</table>\n<h2>4. Plan: the configuration as given fits</h2>\n"
+                          : "</table>\n<h2>4. Recommended plan</h2>\n";
   if (r.plan_found) {
     html += fmt::format(
         "<p id=\"plan\">Micro-batch {} × accum {}, {}, checkpointing {}, {} attention, {} — predicted "
-        "peak {}; trained for 3 steps: peak {} of {} (<span class=\"{}\">{}</span>). {}.</p>\n",
+        "peak {}; trained for 2 steps: peak {} of {} (<span class=\"{}\">{}</span>). {}.</p>\n",
         r.plan.batch, r.plan.accum, escape(precision_name(r.plan.precision)), escape(r.plan.checkpointing.name()),
         escape(attention_path_name(r.plan.attention)), escape(optimizer_name(r.plan.optimizer)),
         escape(format_bytes(r.plan.predicted_peak_bytes)), escape(format_bytes(r.verified_peak_bytes)),
         escape(format_bytes(r.budget)), r.plan_verified ? "good" : "bad", r.plan_verified ? "fits" : "did not fit",
         escape(r.plan_note));
+    if (!r.options.empty()) {
+      html += "<p>Faster options that change the numerics (precision or optimizer), by the cost model:</p><ul>";
+      for (const Plan& p : r.options) {
+        html += fmt::format("<li>{}: {:.2f}× the step time, predicted peak {}</li>", escape(p.describe()),
+                            p.predicted_step_seconds / r.plan.predicted_step_seconds,
+                            escape(format_bytes(p.predicted_peak_bytes)));
+      }
+      html += "</ul>\n";
+    }
     html += "<p>Memory through each phase of those steps:</p>\n" + timeline_svg(r) + "\n";
     if (!r.snapshot.empty()) {
       html += "<p>PyTorch's memory snapshot of these steps: <code>" + escape(r.snapshot) +

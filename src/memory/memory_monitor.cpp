@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-
 #include "util/size.h"
 #include "util/tensor_bytes.h"
 
@@ -14,8 +13,11 @@ size_t index_of(Phase p) { return static_cast<size_t>(p) - 1; }
 }  // namespace
 
 nlohmann::json Breakdown::to_json() const {
-  return {{"weights", weights},         {"gradients", gradients}, {"optimizer", optimizer},
-          {"activations", activations}, {"other", other}};
+  return {{"weights", weights},
+          {"gradients", gradients},
+          {"optimizer", optimizer},
+          {"activations", activations},
+          {"other", other}};
 }
 
 nlohmann::json StepMemory::to_json() const {
@@ -23,10 +25,8 @@ nlohmann::json StepMemory::to_json() const {
   for (Phase p : kStepPhases) {
     const PhaseMemory& m = phases[index_of(p)];
     if (!m.seen) continue;
-    j[std::string(phase_name(p))] = {{"live_in", m.live_in},
-                                     {"live_out", m.live_out},
-                                     {"peak", m.peak},
-                                     {"breakdown", m.at_peak.to_json()}};
+    j[std::string(phase_name(p))] = {
+        {"live_in", m.live_in}, {"live_out", m.live_out}, {"peak", m.peak}, {"breakdown", m.at_peak.to_json()}};
   }
   return j;
 }
@@ -45,6 +45,7 @@ MemoryMonitor::Scope::~Scope() {
 }
 
 void MemoryMonitor::begin_step(int64_t step) {
+  if (!enabled_) return;
   step_ = step;
   in_flight_ = StepMemory{};
   in_flight_.step = step + 1;
@@ -57,6 +58,7 @@ void MemoryMonitor::begin_step(int64_t step) {
 }
 
 MemoryMonitor::Scope MemoryMonitor::phase(Phase p) {
+  if (!enabled_) return Scope(nullptr, p);
   last_phase_ = p;
   probe_.reset_peak();
   probe_.set_context(step_, p);
@@ -101,6 +103,7 @@ Breakdown MemoryMonitor::breakdown_at(int64_t bytes, std::optional<uint64_t> seq
 }
 
 StepMemory MemoryMonitor::end_step() {
+  if (!enabled_) return {};
   StepMemory out = in_flight_;
   for (Phase p : kStepPhases) {
     const PhaseMemory& m = out.phases[index_of(p)];

@@ -11,11 +11,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <nlohmann/json.hpp>
 
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <vector>
 
@@ -75,6 +75,10 @@ class MemoryMonitor {
     Phase phase_;
   };
 
+  // Off: phases, steps and their records are not taken (no probe is read or reset), for a caller
+  // that measures the device itself (the static-graph trial). On by default.
+  void set_enabled(bool on) { enabled_ = on; }
+
   // `step` is 0-based (the index of the optimizer step about to run).
   void begin_step(int64_t step);
   [[nodiscard]] Scope phase(Phase p);
@@ -105,6 +109,7 @@ class MemoryMonitor {
 
   MemoryProbe& probe_;
   TrackedTensors tracked_;
+  bool enabled_ = true;
   int64_t step_ = -1;
   Phase last_phase_ = Phase::idle;
   int64_t other_ = 0;

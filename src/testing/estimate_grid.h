@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,9 @@ struct GridFamily {
 // gpt2 (tied, learned positions, dropout), pythia-160m (gpt_neox: untied, parallel residual,
 // partial rotary), smollm-135m (llama: tied, grouped-query attention), qwen2.5-0.5b (tied, qkv
 // biases) and mistral-7b (untied, sliding window, here 16 so that the windowed mask is exercised).
+// gtest prints parameters byte by byte unless told how.
+inline void PrintTo(const GridFamily& f, std::ostream* os) { *os << f.label; }
+
 inline std::vector<GridFamily> grid_families() {
   return {{"gpt2", "gpt2", {"n_layer=2"}},
           {"gpt_neox", "pythia-160m", {"num_hidden_layers=2"}},

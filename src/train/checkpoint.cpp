@@ -47,16 +47,14 @@ CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTe
 
 std::string checkpoint_file(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.hrc").string(); }
 
-void check_checkpoint_dir(const std::string& dir) {
+void check_checkpoint_dir(const std::string& dir, const std::string& flag) {
   std::error_code ec;
   if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
-    fail("--checkpoint '{}' is a file; accepted: a directory (created when missing)", dir);
+    fail("{} '{}' is a file; accepted: a directory (created when missing)", flag, dir);
   }
   std::filesystem::create_directories(dir, ec);
-  if (ec) fail("--checkpoint: cannot create directory '{}': {}", dir, ec.message());
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-    fail("--checkpoint: cannot write into '{}': {}", dir, std::strerror(errno));
-  }
+  if (ec) fail("{}: cannot create directory '{}': {}", flag, dir, ec.message());
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) fail("{}: cannot write into '{}': {}", flag, dir, std::strerror(errno));
 }
 
 void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,

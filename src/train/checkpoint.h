@@ -32,9 +32,10 @@ struct CheckpointInfo {
 std::string checkpoint_file(const std::string& dir);
 
 // Creates `dir` when missing and checks that a checkpoint can be written into it; throws Error
-// naming --checkpoint and the reason (a file in the way, no permission). Run before training, so
-// that a bad path is found before the work, not after it.
-void check_checkpoint_dir(const std::string& dir);
+// naming `flag` (--checkpoint, or --resume when the run writes where it resumed from) and the
+// reason (a file in the way, no permission). Run before training, so that a bad path is found
+// before the work, not after it.
+void check_checkpoint_dir(const std::string& dir, const std::string& flag = "--checkpoint");
 
 void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,
                      const std::vector<NamedTensor>& optimizer);

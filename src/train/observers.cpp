@@ -9,7 +9,6 @@
 #include "train/checkpoint.h"
 #include "train/metrics_log.h"
 #include "train/step.h"
-#include "util/dir_lock.h"
 #include "util/size.h"
 
 namespace headroom {
@@ -43,10 +42,7 @@ class EvalObserver final : public StepObserver {
 
 class CheckpointObserver final : public StepObserver {
  public:
-  CheckpointObserver(std::string dir, int64_t every) : dir_(std::move(dir)), every_(every) {
-    check_checkpoint_dir(dir_);
-    lock_.emplace(dir_, "--checkpoint");
-  }
+  CheckpointObserver(std::string dir, int64_t every) : dir_(std::move(dir)), every_(every) {}
   void after_step(Run& run, StepRecord& rec, bool last) override {
     if (due(rec.step, every_, last)) save(run, rec.step);
   }
@@ -65,7 +61,6 @@ class CheckpointObserver final : public StepObserver {
   std::string dir_;
   int64_t every_;
   int64_t saved_ = -1;
-  std::optional<DirLock> lock_;
 };
 
 class MetricsObserver final : public StepObserver {

@@ -32,8 +32,7 @@ class StepObserver {
 // then skipped with a note): every --eval-every steps and at the last.
 std::unique_ptr<StepObserver> eval_observer(int64_t every);
 // --checkpoint DIR: every --checkpoint-every steps, at the last, and when the run is interrupted.
-// Checks DIR before the first step (a file, or a directory that cannot be written, is an Error
-// now, not after training) and locks it for the run (util/dir_lock.h).
+// (The trainer checks and locks DIR before it resumes from it or trains.)
 std::unique_ptr<StepObserver> checkpoint_observer(const std::string& dir, int64_t every);
 // --metrics FILE: one line per step; a resumed run keeps the lines up to `resumed_at`.
 std::unique_ptr<StepObserver> metrics_observer(const std::string& path, std::optional<int64_t> resumed_at);

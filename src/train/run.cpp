@@ -27,6 +27,7 @@ Run::Run(const RunConfig& cfg, const c10::Device& dev)
 Run::~Run() {
   try {
     probe->set_budget(std::nullopt);
+    probe->set_context(-1, Phase::idle);  // a step an exception left open is not this process's any more
     if (history_) cuda_record_memory_history(false);
     if (origins_) probe->record_origins(false);
   } catch (...) {  // nothing here may throw out of a destructor

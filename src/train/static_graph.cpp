@@ -49,6 +49,8 @@ StaticGraphTrial measure_static_graph(const RunConfig& cfg, int64_t steps) {
   };
 
   StaticGraphTrial r;
+  // The device's own statistics measure both: the monitor's per-phase peak resets would cut them up.
+  run.monitor->set_enabled(false);
   // Eager: the trainer's own step.
   cuda_empty_cache();
   cuda_reset_peak_stats(index);
@@ -58,9 +60,7 @@ StaticGraphTrial measure_static_graph(const RunConfig& cfg, int64_t steps) {
       StepShape shape = first_shape;
       shape.step = step;
       StepOutcome out;
-      run.monitor->begin_step(step);
       run_step(run, shape, out);
-      run.monitor->end_step();
     }));
   }
   const CudaMemoryStats eager_stats = cuda_memory_stats(index);
@@ -115,12 +115,12 @@ StaticGraphTrial measure_static_graph(const RunConfig& cfg, int64_t steps) {
           static_targets.copy_(b.targets);
         }
         graph.replay();
-        if (step == steps && m == 0) r.graphed_first_loss = static_loss.item<double>();
+        // Read as the eager step reads each micro-batch's loss (the same host sync in both).
+        const double loss = static_loss.item<double>();
+        if (step == steps && m == 0) r.graphed_first_loss = loss;
       }
       StepOutcome out;
-      run.monitor->begin_step(step);
       update(run, run.schedule.at(step), out);
-      run.monitor->end_step();
     }));
   }
   zero_grad(params);

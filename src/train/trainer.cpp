@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 
 #include "device/cuda_adapter.h"
@@ -16,6 +17,7 @@
 #include "train/oom_guard.h"
 #include "train/run.h"
 #include "util/atomic_file.h"
+#include "util/dir_lock.h"
 #include "util/error.h"
 #include "util/interrupt.h"
 #include "util/json.h"
@@ -120,6 +122,9 @@ class DivergenceWatch {
  public:
   explicit DivergenceWatch(Precision precision) : patience_(precision == Precision::fp16_mixed ? 5 : 1) {}
   std::optional<Divergence> after(const StepRecord& r) {
+    // Without loss scaling a non-finite gradient norm has already reached the weights in this
+    // step's update, even when the loss (computed before it) was finite.
+    if (patience_ == 1 && !r.skipped && !std::isfinite(r.grad_norm)) return Divergence{r.step, r.step, r.grad_norm};
     if (std::isfinite(r.loss)) {
       run_ = 0;
       return std::nullopt;
@@ -164,7 +169,8 @@ TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepReco
 
 std::string Divergence::message() const {
   return fmt::format(
-      "training diverged: the loss is {} at step {}{}; likely causes: a learning rate too high (--lr), no "
+      "training diverged: the loss or the gradient norm is {} at step {}{}; likely causes: a learning rate too high "
+      "(--lr), no "
       "gradient clipping (--grad-clip 0), a config field that breaks the numerics (rope_theta 0, a tiny "
       "layer_norm_eps), fp16 overflow; the checkpoint, if any, is from before it",
       loss, step, since < step ? fmt::format(" (not finite since step {})", since) : "");
@@ -195,6 +201,17 @@ TrainResult train(const RunConfig& cfg) {
     return result;
   }
   Run& run = *made.run;
+  // The directory checkpoints go to (where it resumed from, unless told otherwise): checked and
+  // locked before anything reads or trains, so that a bad path or a second run is found now.
+  std::optional<DirLock> lock;
+  if (const std::string& dir = !cfg.checkpoint.empty() ? cfg.checkpoint : cfg.resume; !dir.empty()) {
+    const bool resuming_only = cfg.checkpoint.empty();
+    // A --resume directory that is not there is resume()'s error to give, not one to create.
+    if (!resuming_only || std::filesystem::is_directory(dir)) {
+      check_checkpoint_dir(dir, resuming_only ? "--resume" : "--checkpoint");
+      lock.emplace(dir, resuming_only ? "--resume" : "--checkpoint");
+    }
+  }
   const int64_t start = cfg.resume.empty() ? 0 : resume(run);
   const auto resumed_at = cfg.resume.empty() ? std::nullopt : std::optional<int64_t>(start);
   const auto observers = make_observers(run, start, resumed_at);
@@ -218,7 +235,8 @@ TrainResult train(const RunConfig& cfg) {
     }
     for (const auto& o : observers) o->after_step(run, record, step + 1 == end);
     result.steps.push_back(std::move(record));
-    if ((result.interrupted = interrupt_requested()) && step + 1 < end) {
+    if (step + 1 < end && interrupt_requested()) {
+      result.interrupted = interrupt_requested();
       for (const auto& o : observers) o->on_stop(run, result.steps.back());
       break;
     }

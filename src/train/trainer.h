@@ -39,18 +39,18 @@ struct TrainSummary {
   std::string memory_source;  // what the memory figures measure
 };
 
-// Training that diverged: the loss stopped being a number.
+// Training that diverged: the loss (or, without loss scaling, the gradient norm) stopped being a number.
 struct Divergence {
-  int64_t step = 0;   // the step that ended the run (1-based)
-  int64_t since = 0;  // the first of the consecutive non-finite steps
-  double loss = 0;    // nan or inf
+  int64_t step = 0;             // the step that ended the run (1-based)
+  int64_t since = 0;            // the first of the consecutive non-finite steps
+  double loss = 0;              // nan or inf: the loss, or the gradient norm
   std::string message() const;  // one line: the steps, and the likely causes
 };
 
 struct TrainResult {
   TrainSummary summary;
-  std::vector<StepRecord> steps;     // each step this process completed, in order
-  std::optional<OomReport> oom;      // ended out of memory (during setup, or in the step after the last record)
+  std::vector<StepRecord> steps;       // each step this process completed, in order
+  std::optional<OomReport> oom;        // ended out of memory (during setup, or in the step after the last record)
   std::optional<Divergence> diverged;  // ended because the loss was not finite; no checkpoint was written of it
   int interrupted = 0;  // the signal (SIGINT, SIGTERM) that stopped it after its last record, checkpointed
 
