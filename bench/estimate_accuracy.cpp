@@ -1,4 +1,4 @@
-// Estimate accuracy: for the 40 configurations of the estimator's test grid, the peak the budget
+// Estimate accuracy: for the configurations of the estimator's test grid (real models, shrunk in depth), the peak the budget
 // allocator measures in step 2 of a real `train` run, next to three predictions:
 //   headroom    — estimate/estimator.h (the step replayed operator by operator)
 //   states      — model states only, as DeepSpeed's and Accelerate's estimators count: weights,

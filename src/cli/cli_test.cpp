@@ -308,6 +308,11 @@ TEST(Cli, TheMachineRunningOutOfMemoryIsAnOomNotAnInternalError) {
       "--eval-rows 0\necho \"rc=$?\"\n");
   EXPECT_THAT(out, HasSubstr("rc=3")) << out;
   EXPECT_THAT(out, HasSubstr("CPU out of memory (the machine's memory)")) << out;
+  // Weights that cannot fit the machine at all are refused before allocating: llama-3.1-70b's
+  // 70.55B float32 weights (263 GiB, more than the machines this runs on have).
+  const Result big = run("train --model llama-3.1-70b --steps 1 --device cpu");
+  EXPECT_EQ(big.code, 3) << big.err;
+  EXPECT_THAT(big.err, HasSubstr("llama-3.1-70b's weights alone need 263 GiB (70553706496 parameters in Float)"));
 }
 
 }  // namespace

@@ -34,6 +34,9 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   const DoctorReport r = run_doctor(cfg, budget, nullptr);
 
   EXPECT_TRUE(r.oom) << "the default's naive setting must not fit";
+  // "What happened" shows every category of what was in use, the largest (activations) included.
+  EXPECT_THAT(r.to_text(), ::testing::ContainsRegex("in use by category:\n +weights .*\n +gradients .*\n +optimizer "
+                                                    ".*\n +activations +[0-9.]+ [KMG]iB +[0-9.]+%"));
   EXPECT_FALSE(r.oom_phase.empty());
   EXPECT_EQ(r.oom_step, 1);
   // The whole step, measured without the budget, against the estimate.
