@@ -183,87 +183,49 @@ double predicted_time_ratio(const ModelConfig& model, const RunConfig& c, const 
 
 }  // namespace
 
-DoctorReport run_doctor(const RunConfig& given, int64_t budget, const std::function<void(const std::string&)>& progress,
-                        bool thorough) {
-  const auto start = std::chrono::steady_clock::now();
-  DoctorReport r;
-  RunConfig cfg = given;
-  cfg.memory_budget = budget;
-  r.config = cfg;
-  r.budget = budget;
-  const at::Device device = resolve_device(cfg.device);
-  r.device = device.str();
-  const ModelConfig model = load_model_config(cfg.model, cfg.overrides);
-  const int64_t global = cfg.batch * cfg.accum;
-  // On cpu the estimator is exact (estimator_test.cpp), so a lever's memory is predicted and only
-  // what decides the answer is run; on cuda (fragmentation, workspaces) every lever is run.
-  const bool predict_first = !device.is_cuda() && !thorough;
-  const bool free_trials = !device.is_cuda();  // on cpu a trial can run beyond the budget, on the machine's memory
-  double reference_seconds = 0;                // a step of the configuration as given (or of the reference)
-  // Time left: what the remaining trials are expected to take, in reference steps.
-  double pending_steps = 0;
-  auto say = [&](const std::string& s) {
-    if (!progress) return;
-    progress(reference_seconds > 0 && pending_steps > 0
-                 ? fmt::format("{} (about {})", s, format_eta(pending_steps * reference_seconds))
-                 : s);
-  };
+namespace {
 
-  // (1) What happened.
-  say(fmt::format("1/5 running the configuration as given: {}, 3 steps under {}", describe_run(cfg),
-                  format_bytes(budget)));
-  const TrialRun base = run_trial(cfg, 3);
-  r.oom = !base.fits;
-  r.measured_peak = base.peak;
-  r.measured = base.breakdown;
-  if (r.oom) {
-    r.oom_phase = std::string(phase_name(base.oom.phase));
-    r.oom_step = base.oom.step;
-    OomReport report = base.oom;
-    report.advice = oom_advice(report, as_trial(cfg, 3));
-    r.oom_text = report.to_text();
-    r.measured = base.oom.breakdown;
-  } else if (!base.result.steps.empty()) {
-    reference_seconds = base.first_step_seconds;  // a first step, as each lever trial's is
+// One diagnosis, stage by stage (the header's order); what the stages learn is kept here.
+class Diagnosis {
+ public:
+  Diagnosis(const RunConfig& given, int64_t budget, const std::function<void(const std::string&)>& progress,
+            bool thorough)
+      : given_(given),
+        budget_(budget),
+        progress_(progress),
+        device_(resolve_device(given.device)),
+        model_(load_model_config(given.model, given.overrides)),
+        // On cpu the estimator is exact (estimator_test.cpp), so a lever's memory is predicted and
+        // only what decides the answer is run; on cuda (fragmentation, workspaces) every lever is.
+        predict_first_(!device_.is_cuda() && !thorough),
+        // On cpu a trial can run beyond the budget, on the machine's memory.
+        free_trials_(!device_.is_cuda()) {
+    cfg_ = given;
+    cfg_.memory_budget = budget;
+    r_.config = cfg_;
+    r_.budget = budget;
+    r_.device = device_.str();
+    request_.base = cfg_;
+    request_.global_batch = cfg_.batch * cfg_.accum;
+    request_.budget = budget;
   }
-  r.estimate = estimate(model, train_spec(cfg));
-  PlanRequest pr;
-  pr.base = cfg;
-  pr.global_batch = global;
-  pr.budget = budget;
-  const PlanResult candidates = fitting_plans(pr);
-  if (const auto [smallest, how] = smallest_peak(pr); r.oom && smallest > budget) {
-    // Nothing any lever reaches fits — any optimizer, pure bf16, no margin: no trial can change
-    // that, so none is run.
-    r.plan_note = fmt::format(
-        "nothing can fit {}: the smallest peak any combination of levers reaches (other optimizers and pure bf16 "
-        "included) is {} ({}), by the estimator; a larger budget, a shorter --seq or a smaller model is needed",
-        format_bytes(budget), format_bytes(smallest), how);
-    r.leak.reason = "not run: no configuration fits the budget";
-    r.fragmentation = "not measured: no configuration fits the budget";
-    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return r;
-  }
-  if (free_trials && r.oom) {
-    say("1/5 measuring the whole step as given, on the machine's memory");
-    const TrialRun whole = run_trial(cfg, 1, false);
-    if (whole.fits) {
-      r.measured_peak = whole.peak;
-      r.measured = whole.breakdown;
-      r.measured_whole_step = true;
-      reference_seconds = whole.first_step_seconds;
-      r.reference = "the configuration as given";
+
+  DoctorReport run() {
+    what_happened();
+    if (!nothing_can_fit()) {
+      measure_whole_step();
+      predict_levers();
+      check_leaks();
+      try_levers();
+      cuda_levers();
+      recommend();
     }
-  } else if (!r.oom) {
-    r.measured_whole_step = true;
-    r.reference = "the configuration as given";
+    r_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    return r_;
   }
 
-  // (3-8) Each lever: predicted by the estimator, and run for real where the prediction is close
-  // enough to the budget to decide whether it fits (or every one, with --thorough, and on cuda).
-  // A precision whose matmuls this device emulates is not run: a step would take many times the
-  // reference, and its memory is what the estimator says.
-  const std::vector<LeverChange> changes = lever_changes(cfg, model.num_layers);
+ private:
+  // A lever's prediction, and whether it is run for real.
   struct Row {
     const LeverChange* change;
     RunConfig config;
@@ -271,196 +233,293 @@ DoctorReport run_doctor(const RunConfig& given, int64_t budget, const std::funct
     double predicted_ratio;
     bool run, slow;
   };
-  std::vector<Row> rows;
-  for (const LeverChange& ch : changes) {
-    RunConfig c = cfg;
-    ch.apply(c);
-    const int64_t peak = estimate(model, train_spec(c)).peak_bytes;
-    const double ratio = predicted_time_ratio(model, c, cfg);
-    const bool slow = precision_slowdown(c.precision, c.device) > 4;
-    const bool near = std::abs(static_cast<double>(peak - budget)) <= 0.15 * static_cast<double>(budget);
-    rows.push_back({&ch, c, peak, ratio, !slow && (!predict_first || near), slow});
-  }
-  // (2) Leaks, at a micro-batch that fits, one micro-batch per step: growth from step to step does
-  // not depend on how a global batch is split, and each step costs a micro-batch, not a global one.
-  RunConfig reference = cfg;
-  if (r.oom) reference.batch = std::max<int64_t>(1, largest_fitting_micro(model, cfg, budget));
-  RunConfig leak_config = reference;
-  leak_config.accum = 1;
-  leak_config.leak_origins = true;  // cuda: the allocator tags each allocation with its step and phase
-  const double leak_step = reference_seconds > 0 ? predicted_time_ratio(model, leak_config, cfg) : 0;
-  const int64_t leak_steps = leak_step > 0 && 12 * leak_step * reference_seconds > 20 ? 8 : 12;
-  r.leak_run = fmt::format("{}, {} steps", describe_run(leak_config), leak_steps);
-  // Time left, in steps of the configuration as given: the leak check, the levers that run, the
-  // calibration (4 steps at micro-batches 1 and 4) and the verification (2 steps).
-  RunConfig one = cfg, four = cfg;
-  one.batch = one.accum = 1;
-  four.batch = std::min<int64_t>(4, global);
-  four.accum = 1;
-  pending_steps = static_cast<double>(leak_steps) * leak_step + 4 * predicted_time_ratio(model, one, cfg) +
-                  4 * predicted_time_ratio(model, four, cfg) + 2;
-  for (const Row& row : rows) pending_steps += row.run ? row.predicted_ratio : 0;
-  say("2/5 leak check: " + r.leak_run);
-  const TrialRun leak_trial = run_trial(leak_config, leak_steps, !free_trials);
-  pending_steps = std::max(0.0, pending_steps - static_cast<double>(leak_steps) * leak_step);
-  r.leak = judge_growth(leak_trial.result.live_series());
-  if (!leak_trial.fits) {
-    r.leak.reason += fmt::format("; the run ran out of memory in step {} of {}{}", leak_trial.oom.step, leak_steps,
-                                 r.leak.detected ? ", as the growth predicts" : "");
-  } else {
-    if (r.leak.detected) r.leak.sites = leak_trial.result.summary.surviving;
-    if (reference_seconds == 0 && !leak_trial.result.steps.empty()) {
-      reference_seconds = leak_trial.result.median_step_seconds() / predicted_time_ratio(model, leak_config, cfg);
-      r.reference = "the configuration as given (from the leak check's steps)";
-    }
-  }
-  if (device.is_cuda()) {
-    const CudaMemoryStats st = cuda_memory_stats(device.index());
-    r.fragmentation = fmt::format(
-        "reserved {} vs allocated {}: {} cached but unused ({} of it split inside live "
-        "segments)",
-        format_bytes(st.reserved_bytes), format_bytes(st.allocated_bytes),
-        format_bytes(st.reserved_bytes - st.allocated_bytes), format_bytes(st.inactive_split_bytes));
-  } else {
-    r.fragmentation =
-        "does not apply on cpu: the budget allocator hands memory straight back, there is no cache to "
-        "fragment (on cuda this compares reserved with allocated)";
+
+  void say(const std::string& s) const {
+    if (!progress_) return;
+    progress_(reference_seconds_ > 0 && pending_steps_ > 0
+                  ? fmt::format("{} (about {})", s, format_eta(pending_steps_ * reference_seconds_))
+                  : s);
   }
 
-  int index = 0;
-  std::map<Precision, double> precision_ratio;  // step time against the configuration's precision
-  for (const Row& row : rows) {
-    const LeverChange& ch = *row.change;
-    LeverTrial lt;
-    lt.lever = lever_name(ch.lever);
-    lt.setting = ch.setting;
-    lt.note = ch.note;
-    if (!row.run) {
-      lt.measured = false;
-      lt.peak_bytes = row.predicted_peak;
-      lt.fits = row.predicted_peak <= budget;
-      lt.saving_bytes = r.estimate.peak_bytes - row.predicted_peak;
-      lt.step_time_ratio = row.predicted_ratio;
-      if (row.slow) {
-        lt.note += fmt::format("; not run: this device's {} matmuls are {:.0f}x slower than float32's (emulated)",
-                               precision_name(row.config.precision),
-                               precision_slowdown(row.config.precision, row.config.device));
+  // (1) The configuration as given, under its budget, with the guard off.
+  void what_happened() {
+    say(fmt::format("1/5 running the configuration as given: {}, 3 steps under {}", describe_run(cfg_),
+                    format_bytes(budget_)));
+    base_ = run_trial(cfg_, 3);
+    r_.oom = !base_.fits;
+    r_.measured_peak = base_.peak;
+    r_.measured = base_.breakdown;
+    if (r_.oom) {
+      r_.oom_phase = std::string(phase_name(base_.oom.phase));
+      r_.oom_step = base_.oom.step;
+      OomReport report = base_.oom;
+      report.advice = oom_advice(report, as_trial(cfg_, 3));
+      r_.oom_text = report.to_text();
+      r_.measured = base_.oom.breakdown;
+    } else if (!base_.result.steps.empty()) {
+      reference_seconds_ = base_.first_step_seconds;  // a first step, as each lever trial's is
+      r_.measured_whole_step = true;
+      r_.reference = "the configuration as given";
+    }
+    r_.estimate = estimate(model_, train_spec(cfg_));
+  }
+
+  // Nothing any lever reaches fits — any optimizer, pure bf16, no margin: no trial can change that,
+  // so none is run.
+  bool nothing_can_fit() {
+    const auto [smallest, how] = smallest_peak(request_);
+    if (!r_.oom || smallest <= budget_) return false;
+    r_.plan_note = fmt::format(
+        "nothing can fit {}: the smallest peak any combination of levers reaches (other optimizers and pure bf16 "
+        "included) is {} ({}), by the estimator; a larger budget, a shorter --seq or a smaller model is needed",
+        format_bytes(budget_), format_bytes(smallest), how);
+    r_.leak.reason = "not run: no configuration fits the budget";
+    r_.fragmentation = "not measured: no configuration fits the budget";
+    return true;
+  }
+
+  // On cpu, a step that ran out is measured whole on the machine's memory: every peak below is a
+  // real one, compared with the budget, not a failure's lower bound.
+  void measure_whole_step() {
+    if (!free_trials_ || !r_.oom) return;
+    say("1/5 measuring the whole step as given, on the machine's memory");
+    const TrialRun whole = run_trial(cfg_, 1, false);
+    if (!whole.fits) return;
+    r_.measured_peak = whole.peak;
+    r_.measured = whole.breakdown;
+    r_.measured_whole_step = true;
+    reference_seconds_ = whole.first_step_seconds;
+    r_.reference = "the configuration as given";
+  }
+
+  // (3-8) Each lever, predicted by the estimator; run for real where the prediction is close
+  // enough to the budget to decide whether it fits (every one with --thorough, and on cuda). A
+  // precision whose matmuls this device emulates is not run: a step would take many times the
+  // reference, and its memory is what the estimator says.
+  void predict_levers() {
+    changes_ = lever_changes(cfg_, model_.num_layers);
+    for (const LeverChange& ch : changes_) {
+      RunConfig c = cfg_;
+      ch.apply(c);
+      const int64_t peak = estimate(model_, train_spec(c)).peak_bytes;
+      const bool slow = precision_slowdown(c.precision, c.device) > 4;
+      const bool near = std::abs(static_cast<double>(peak - budget_)) <= 0.15 * static_cast<double>(budget_);
+      rows_.push_back({&ch, c, peak, predicted_time_ratio(model_, c, cfg_), !slow && (!predict_first_ || near), slow});
+    }
+  }
+
+  // (2) Leaks, at a micro-batch that fits, one micro-batch per step: growth from step to step does
+  // not depend on how a global batch is split, and each step costs a micro-batch, not a global one.
+  void check_leaks() {
+    reference_ = cfg_;
+    if (r_.oom) reference_.batch = std::max<int64_t>(1, largest_fitting_micro(model_, cfg_, budget_));
+    RunConfig leak_config = reference_;
+    leak_config.accum = 1;
+    leak_config.leak_origins = true;  // cuda: the allocator tags each allocation with its step and phase
+    const double leak_step = reference_seconds_ > 0 ? predicted_time_ratio(model_, leak_config, cfg_) : 0;
+    const int64_t leak_steps = leak_step > 0 && 12 * leak_step * reference_seconds_ > 20 ? 8 : 12;
+    r_.leak_run = fmt::format("{}, {} steps", describe_run(leak_config), leak_steps);
+    // Time left, in steps of the configuration as given: the leak check, the levers that run, the
+    // calibration (4 steps at micro-batches 1 and 4) and the verification (2 steps).
+    RunConfig one = cfg_, four = cfg_;
+    one.batch = one.accum = 1;
+    four.batch = std::min<int64_t>(4, request_.global_batch);
+    four.accum = 1;
+    pending_steps_ = static_cast<double>(leak_steps) * leak_step + 4 * predicted_time_ratio(model_, one, cfg_) +
+                     4 * predicted_time_ratio(model_, four, cfg_) + 2;
+    for (const Row& row : rows_) pending_steps_ += row.run ? row.predicted_ratio : 0;
+    say("2/5 leak check: " + r_.leak_run);
+    const TrialRun leak_trial = run_trial(leak_config, leak_steps, !free_trials_);
+    pending_steps_ = std::max(0.0, pending_steps_ - static_cast<double>(leak_steps) * leak_step);
+    r_.leak = judge_growth(leak_trial.result.live_series());
+    if (!leak_trial.fits) {
+      r_.leak.reason += fmt::format("; the run ran out of memory in step {} of {}{}", leak_trial.oom.step, leak_steps,
+                                    r_.leak.detected ? ", as the growth predicts" : "");
+    } else {
+      if (r_.leak.detected) r_.leak.sites = leak_trial.result.summary.surviving;
+      if (reference_seconds_ == 0 && !leak_trial.result.steps.empty()) {
+        reference_seconds_ = leak_trial.result.median_step_seconds() / predicted_time_ratio(model_, leak_config, cfg_);
+        r_.reference = "the configuration as given (from the leak check's steps)";
       }
-      r.levers.push_back(lt);
-      continue;
     }
-    say(fmt::format("3/5 lever {}/{}: {} {}", ++index,
-                    std::count_if(rows.begin(), rows.end(), [](const Row& x) { return x.run; }), lever_name(ch.lever),
-                    ch.setting));
-    const TrialRun t = run_trial(row.config, 1, !free_trials);
-    pending_steps = std::max(0.0, pending_steps - row.predicted_ratio);
-    lt.fits = t.fits && t.peak <= budget;
-    lt.peak_bytes = t.peak;
-    lt.saving_bytes = r.measured_peak - t.peak;
-    lt.step_time_ratio = t.fits && reference_seconds > 0 ? t.first_step_seconds / reference_seconds : 0;
-    if (!t.fits) lt.note += "; out of memory (peak: in use at the failure plus the request)";
-    if (ch.lever == Lever::precision && t.fits && lt.step_time_ratio > 0) {
-      precision_ratio[row.config.precision] = lt.step_time_ratio;
+    if (device_.is_cuda()) {
+      const CudaMemoryStats st = cuda_memory_stats(device_.index());
+      r_.fragmentation =
+          fmt::format("reserved {} vs allocated {}: {} cached but unused ({} of it split inside live segments)",
+                      format_bytes(st.reserved_bytes), format_bytes(st.allocated_bytes),
+                      format_bytes(st.reserved_bytes - st.allocated_bytes), format_bytes(st.inactive_split_bytes));
+    } else {
+      r_.fragmentation =
+          "does not apply on cpu: the budget allocator hands memory straight back, there is no cache to "
+          "fragment (on cuda this compares reserved with allocated)";
     }
-    r.levers.push_back(lt);
   }
-  if (r.measured_whole_step && index > 0) {
-    // The first steps of a process run slower (the allocator and the kernels warm up): the
-    // configuration's own step is timed again after the levers, and the faster time is the reference.
-    const TrialRun again = run_trial(cfg, 1, !free_trials);
-    if (again.fits && again.first_step_seconds < reference_seconds) {
-      const double scale = reference_seconds / again.first_step_seconds;
-      reference_seconds = again.first_step_seconds;
-      for (LeverTrial& l : r.levers) {
-        if (l.measured) l.step_time_ratio *= scale;
+
+  void try_levers() {
+    const auto to_run = std::count_if(rows_.begin(), rows_.end(), [](const Row& x) { return x.run; });
+    int index = 0;
+    for (const Row& row : rows_) {
+      const LeverChange& ch = *row.change;
+      LeverTrial lt;
+      lt.lever = lever_name(ch.lever);
+      lt.setting = ch.setting;
+      lt.note = ch.note;
+      if (!row.run) {
+        lt.measured = false;
+        lt.peak_bytes = row.predicted_peak;
+        lt.fits = row.predicted_peak <= budget_;
+        lt.saving_bytes = r_.estimate.peak_bytes - row.predicted_peak;
+        lt.step_time_ratio = row.predicted_ratio;
+        if (row.slow) {
+          lt.note += fmt::format("; not run: this device's {} matmuls are {:.0f}x slower than float32's (emulated)",
+                                 precision_name(row.config.precision),
+                                 precision_slowdown(row.config.precision, row.config.device));
+        }
+        r_.levers.push_back(lt);
+        continue;
       }
-      for (auto& [p, ratio] : precision_ratio) ratio *= scale;
+      say(fmt::format("3/5 lever {}/{}: {} {}", ++index, to_run, lever_name(ch.lever), ch.setting));
+      const TrialRun t = run_trial(row.config, 1, !free_trials_);
+      pending_steps_ = std::max(0.0, pending_steps_ - row.predicted_ratio);
+      lt.fits = t.fits && t.peak <= budget_;
+      lt.peak_bytes = t.peak;
+      lt.saving_bytes = r_.measured_peak - t.peak;
+      lt.step_time_ratio = t.fits && reference_seconds_ > 0 ? t.first_step_seconds / reference_seconds_ : 0;
+      if (!t.fits) lt.note += "; out of memory (peak: in use at the failure plus the request)";
+      if (ch.lever == Lever::precision && t.fits && lt.step_time_ratio > 0) {
+        precision_ratio_[row.config.precision] = lt.step_time_ratio;
+      }
+      r_.levers.push_back(lt);
+    }
+    if (r_.measured_whole_step && index > 0) {
+      // The first steps of a process run slower (the allocator and the kernels warm up): the
+      // configuration's own step is timed again after the levers, and the faster time is the reference.
+      const TrialRun again = run_trial(cfg_, 1, !free_trials_);
+      if (again.fits && again.first_step_seconds < reference_seconds_) {
+        const double scale = reference_seconds_ / again.first_step_seconds;
+        reference_seconds_ = again.first_step_seconds;
+        for (LeverTrial& l : r_.levers) {
+          if (l.measured) l.step_time_ratio *= scale;
+        }
+        for (auto& [p, ratio] : precision_ratio_) ratio *= scale;
+      }
     }
   }
-  for (Precision p : precisions_of(candidates)) {
-    // Precisions not timed by a trial: their matmul slowdown stands in for the step's.
-    if (p != cfg.precision && !precision_ratio.count(p)) {
-      precision_ratio[p] = precision_slowdown(p, cfg.device) / precision_slowdown(cfg.precision, cfg.device);
+
+  // Levers 10 and 7: measured on cuda, said not to apply on cpu.
+  void cuda_levers() {
+    if (!device_.is_cuda()) {
+      r_.levers.push_back({"empty-cache", "torch.cuda.empty_cache()", false, false, 0, 0, 0,
+                           "does not apply on cpu: there is no cache to empty"});
+      r_.levers.push_back({"static graph", "CUDA graphs", false, false, 0, 0, 0,
+                           "does not apply on cpu: CUDA graphs capture GPU kernel launches"});
+      return;
     }
-  }
-  const std::string at_reference =
-      reference.batch == cfg.batch ? "" : fmt::format(" (at the leak check's micro-batch {})", reference.batch);
-  if (device.is_cuda()) {
+    const std::string at_reference =
+        reference_.batch == cfg_.batch ? "" : fmt::format(" (at the leak check's micro-batch {})", reference_.batch);
     say("3/5 lever: empty-cache, a step on the warm cache and one after emptying it");
-    LeverTrial empty = empty_cache_trial(reference, device.index(), budget);
-    empty.saving_bytes = r.measured_peak - empty.peak_bytes;
+    LeverTrial empty = empty_cache_trial(reference_, device_.index(), budget_);
+    empty.saving_bytes = r_.measured_peak - empty.peak_bytes;
     empty.note += at_reference;
-    r.levers.push_back(empty);
+    r_.levers.push_back(empty);
     say("3/5 lever: static graph, eager steps then the step captured as a CUDA graph and replayed");
-    LeverTrial graphed = static_graph_trial(reference, budget);
+    LeverTrial graphed = static_graph_trial(reference_, budget_);
     graphed.note += at_reference;
-    r.levers.push_back(graphed);
-  } else {
-    r.levers.push_back({"empty-cache", "torch.cuda.empty_cache()", false, false, 0, 0, 0,
-                        "does not apply on cpu: there is no cache to empty"});
-    r.levers.push_back({"static graph", "CUDA graphs", false, false, 0, 0, 0,
-                        "does not apply on cpu: CUDA graphs capture GPU kernel launches"});
+    r_.levers.push_back(graphed);
   }
 
   // The recommendation, and its proof. The cost model is calibrated in the configuration's own
-  // precision; the others are scaled by what their trials (or their matmuls) measured.
-  say("4/5 planning: the estimator's candidates under the budget, ranked by a calibrated cost model");
-  RunConfig timing = cfg;
-  timing.memory_budget.reset();
-  const PlanResult plans = plan_with_calibration(
-      pr, [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); },
-      precision_ratio, [&](const std::string& line) { say("4/5 " + line); });
-  pending_steps = 2;
-  if (plans.plans.empty() && !r.oom) {
-    // It fits as given, closer to the budget than the planner's margin lets a plan be: the
-    // configuration itself is the plan, verified by the run that began the diagnosis.
-    r.fits_as_given = true;
-    r.plan_found = true;
-    r.plan = Plan{cfg.batch,     cfg.accum,     cfg.precision,        cfg.checkpointing,
-                  cfg.optimizer, cfg.attention, r.estimate.peak_bytes};
-    r.plan_verified = true;
-    r.verified_peak_bytes = base.peak;
-    r.timeline = base.timeline;
-    r.plan_note = fmt::format("no other plan is predicted to fit within the planner's {:.0f}% margin", 100 * pr.margin);
-  } else if (plans.plans.empty()) {
-    r.plan_note = fmt::format("no plan fits: the smallest predicted peak is {} ({})", format_bytes(plans.smallest_peak),
-                              plans.smallest_peak_plan);
-  } else {
-    // The configuration as given fits: what is recommended keeps its numerics (precision and
-    // optimizer); faster plans that change them are options, not a fix.
-    r.fits_as_given = !r.oom;
+  // precision; the others are scaled by what their trials (or their matmuls) measured. When the
+  // configuration fits as given, what is recommended keeps its numerics (precision and
+  // optimizer); faster plans that change them are options, not a fix.
+  void recommend() {
+    const PlanResult candidates = fitting_plans(request_);
+    for (Precision p : precisions_of(candidates)) {
+      // Precisions not timed by a trial: their matmul slowdown stands in for the step's.
+      if (p != cfg_.precision && !precision_ratio_.count(p)) {
+        precision_ratio_[p] = precision_slowdown(p, cfg_.device) / precision_slowdown(cfg_.precision, cfg_.device);
+      }
+    }
+    say("4/5 planning: the estimator's candidates under the budget, ranked by a calibrated cost model");
+    RunConfig timing = cfg_;
+    timing.memory_budget.reset();
+    const PlanResult plans = plan_with_calibration(
+        request_, [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); },
+        precision_ratio_, [&](const std::string& line) { say("4/5 " + line); });
+    pending_steps_ = 2;
+    if (plans.plans.empty() && !r_.oom) {
+      // It fits as given, closer to the budget than the planner's margin lets a plan be: the
+      // configuration itself is the plan, verified by the run that began the diagnosis.
+      r_.fits_as_given = r_.plan_found = r_.plan_verified = true;
+      r_.plan = Plan{cfg_.batch,     cfg_.accum,     cfg_.precision,        cfg_.checkpointing,
+                     cfg_.optimizer, cfg_.attention, r_.estimate.peak_bytes};
+      r_.verified_peak_bytes = base_.peak;
+      r_.timeline = base_.timeline;
+      r_.plan_note =
+          fmt::format("no other plan is predicted to fit within the planner's {:.0f}% margin", 100 * request_.margin);
+      return;
+    }
+    if (plans.plans.empty()) {
+      r_.plan_note = fmt::format("no plan fits: the smallest predicted peak is {} ({})",
+                                 format_bytes(plans.smallest_peak), plans.smallest_peak_plan);
+      return;
+    }
+    r_.fits_as_given = !r_.oom;
     const Plan* chosen = &plans.plans.front();
     bool keeps_numerics = false;
-    if (r.fits_as_given) {
+    if (r_.fits_as_given) {
       for (const Plan& p : plans.plans) {
-        if (p.precision == cfg.precision && p.optimizer == cfg.optimizer) {
+        if (p.precision == cfg_.precision && p.optimizer == cfg_.optimizer) {
           chosen = &p;
           keeps_numerics = true;
           break;
         }
       }
       for (const Plan& p : plans.plans) {
-        if ((p.precision != cfg.precision || p.optimizer != cfg.optimizer) && r.options.size() < 3 &&
+        if ((p.precision != cfg_.precision || p.optimizer != cfg_.optimizer) && r_.options.size() < 3 &&
             p.predicted_step_seconds < chosen->predicted_step_seconds) {
-          r.options.push_back(p);
+          r_.options.push_back(p);
         }
       }
     }
-    r.plan_found = true;
-    r.plan = *chosen;
-    pending_steps = 2 * predicted_time_ratio(model, with_plan(cfg, r.plan), cfg);
-    say(fmt::format("5/5 training the recommended plan for 2 steps under {}", format_bytes(budget)));
+    r_.plan_found = true;
+    r_.plan = *chosen;
+    pending_steps_ = 2 * predicted_time_ratio(model_, with_plan(cfg_, r_.plan), cfg_);
+    say(fmt::format("5/5 training the recommended plan for 2 steps under {}", format_bytes(budget_)));
     // On cuda, PyTorch's memory snapshot of these steps goes next to the report.
-    const TrialRun v = run_trial(with_plan(cfg, r.plan), 2, true, given.memory_snapshot);
-    if (!given.memory_snapshot.empty() && v.fits) r.snapshot = given.memory_snapshot;
-    r.plan_verified = v.fits;
-    r.verified_peak_bytes = v.peak;
-    r.timeline = v.timeline;
-    r.plan_note = fmt::format("best of {} plans that fit ({} considered){}", plans.plans.size(), plans.considered,
-                              keeps_numerics ? ", keeping the configuration's precision and optimizer" : "");
+    const TrialRun v = run_trial(with_plan(cfg_, r_.plan), 2, true, given_.memory_snapshot);
+    if (!given_.memory_snapshot.empty() && v.fits) r_.snapshot = given_.memory_snapshot;
+    r_.plan_verified = v.fits;
+    r_.verified_peak_bytes = v.peak;
+    r_.timeline = v.timeline;
+    r_.plan_note = fmt::format("best of {} plans that fit ({} considered){}", plans.plans.size(), plans.considered,
+                               keeps_numerics ? ", keeping the configuration's precision and optimizer" : "");
   }
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return r;
+
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  const RunConfig& given_;
+  const int64_t budget_;
+  const std::function<void(const std::string&)>& progress_;
+  const at::Device device_;
+  const ModelConfig model_;
+  const bool predict_first_, free_trials_;
+  RunConfig cfg_;        // as given, with the budget
+  RunConfig reference_;  // at a micro-batch that fits (the leak check's, cuda's levers 7 and 10)
+  PlanRequest request_;
+  DoctorReport r_;
+  TrialRun base_;                                // the configuration as given, under the budget
+  double reference_seconds_ = 0;                 // a step of the configuration as given
+  double pending_steps_ = 0;                     // time left, in reference steps
+  std::vector<LeverChange> changes_;             // the lever table's changes (rows_ point into it)
+  std::vector<Row> rows_;                        // each lever's prediction
+  std::map<Precision, double> precision_ratio_;  // step time against the configuration's precision
+};
+
+}  // namespace
+
+DoctorReport run_doctor(const RunConfig& given, int64_t budget, const std::function<void(const std::string&)>& progress,
+                        bool thorough) {
+  return Diagnosis(given, budget, progress, thorough).run();
 }
 
 nlohmann::json DoctorReport::to_json() const {
