@@ -59,11 +59,7 @@ TrialRun run_trial(const RunConfig& config, int64_t steps, bool capped = true, c
   return t;
 }
 
-std::string describe_run(const RunConfig& c) {
-  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}", c.batch, c.accum,
-                     precision_name(c.precision), c.checkpointing.name(), attention_path_name(c.attention),
-                     optimizer_name(c.optimizer));
-}
+std::string describe_run(const RunConfig& c) { return plan_of(c).describe(); }
 
 // The largest micro-batch (at most the configured one) the estimator says fits, keeping the
 // global batch; 0 when none.
@@ -166,11 +162,6 @@ std::pair<int64_t, std::string> smallest_peak(const PlanRequest& request) {
   return {mixed.smallest_peak, mixed.smallest_peak_plan};
 }
 
-std::string format_eta(double seconds) {
-  const auto s = static_cast<int64_t>(seconds + 0.5);
-  return s >= 60 ? fmt::format("{}:{:02} left", s / 60, s % 60) : fmt::format("{} s left", s);
-}
-
 // A step's predicted time relative to another's: the FLOPs of its micro-batches, times how much
 // slower its precision's matmuls are (plan/cost_model.h's model without a calibration).
 double predicted_time_ratio(const ModelConfig& model, const RunConfig& c, const RunConfig& reference) {
@@ -237,7 +228,7 @@ class Diagnosis {
   void say(const std::string& s) const {
     if (!progress_) return;
     progress_(reference_seconds_ > 0 && pending_steps_ > 0
-                  ? fmt::format("{} (about {})", s, format_eta(pending_steps_ * reference_seconds_))
+                  ? fmt::format("{} (about {} left)", s, format_duration(pending_steps_ * reference_seconds_))
                   : s);
   }
 
@@ -450,9 +441,9 @@ class Diagnosis {
     if (plans.plans.empty() && !r_.oom) {
       // It fits as given, closer to the budget than the planner's margin lets a plan be: the
       // configuration itself is the plan, verified by the run that began the diagnosis.
-      r_.fits_as_given = r_.plan_found = r_.plan_verified = true;
-      r_.plan = Plan{cfg_.batch,     cfg_.accum,     cfg_.precision,        cfg_.checkpointing,
-                     cfg_.optimizer, cfg_.attention, r_.estimate.peak_bytes};
+      r_.plan_found = r_.plan_verified = true;
+      r_.plan = plan_of(cfg_);
+      r_.plan.predicted_peak_bytes = r_.estimate.peak_bytes;
       r_.verified_peak_bytes = base_.peak;
       r_.timeline = base_.timeline;
       r_.plan_note =
@@ -464,10 +455,9 @@ class Diagnosis {
                                  format_bytes(plans.smallest_peak), plans.smallest_peak_plan);
       return;
     }
-    r_.fits_as_given = !r_.oom;
     const Plan* chosen = &plans.plans.front();
     bool keeps_numerics = false;
-    if (r_.fits_as_given) {
+    if (!r_.oom) {
       for (const Plan& p : plans.plans) {
         if (p.precision == cfg_.precision && p.optimizer == cfg_.optimizer) {
           chosen = &p;
@@ -558,7 +548,7 @@ nlohmann::json DoctorReport::to_json() const {
           {"leak", leak.to_json()},
           {"fragmentation", fragmentation},
           {"levers", levers_json},
-          {"fits_as_given", fits_as_given},
+          {"fits_as_given", !oom},
           {"plan", plan_json},
           {"options", options_json},
           {"plan_note", plan_note},
@@ -637,7 +627,7 @@ std::string DoctorReport::to_text() const {
                        l.step_time_ratio > 0 ? fmt::format("{:.2f}x", l.step_time_ratio) : "-", l.fits ? "yes" : "NO",
                        l.measured ? "run" : "est", l.note);
   }
-  out += fits_as_given ? "\n4. Plan: the configuration as given fits\n" : "\n4. Recommended plan\n";
+  out += !oom ? "\n4. Plan: the configuration as given fits\n" : "\n4. Recommended plan\n";
   if (plan_found) {
     out += fmt::format("   {} ({})\n", plan.describe(), plan_note);
     out += fmt::format("   predicted peak {}; trained for 2 steps: peak {} of {} — {}\n",

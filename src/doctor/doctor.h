@@ -73,9 +73,8 @@ struct DoctorReport {
   std::vector<LeverTrial> levers;
   // the recommendation
   bool plan_found = false;
-  bool fits_as_given = false;  // then `plan` keeps the configuration's numerics, and `options` change them
-  Plan plan;
-  std::vector<Plan> options;  // faster plans that change the precision or the optimizer
+  Plan plan;                  // when the configuration fits as given (!oom), one that keeps its precision and optimizer
+  std::vector<Plan> options;  // then: faster plans that change the precision or the optimizer
   bool plan_verified = false;
   int64_t verified_peak_bytes = 0;
   std::string plan_note;

@@ -204,8 +204,8 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
         l.step_time_ratio > 0 ? fmt::format("{:.2f}×", l.step_time_ratio) : "—", l.fits ? "good" : "bad",
         l.fits ? "yes" : "no", l.measured ? "run" : "est", escape(l.note));
   }
-  html += r.fits_as_given ? "</table>\n<h2>4. Plan: the configuration as given fits</h2>\n"
-                          : "</table>\n<h2>4. Recommended plan</h2>\n";
+  html += !r.oom ? "</table>\n<h2>4. Plan: the configuration as given fits</h2>\n"
+                 : "</table>\n<h2>4. Recommended plan</h2>\n";
   if (r.plan_found) {
     html += fmt::format(
         "<p id=\"plan\">Micro-batch {} × accum {}, {}, checkpointing {}, {} attention, {} — predicted "

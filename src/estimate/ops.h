@@ -34,9 +34,6 @@ class Ops {
   Ops(const Ops&) = delete;
   Ops& operator=(const Ops&) = delete;
 
-  Memory& memory() { return mem_; }
-  Graph& graph() { return *g_; }
-
   // ---- labels and gradients ----
   int act(const std::string& name, const std::string& formula) {
     return mem_.label(name, Category::activations, formula);

@@ -76,9 +76,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
             const Plan p{micro, spec.accum, precision, checkpointing, optimizer, attention, peak};
             if (out.smallest_peak < 0 || peak < out.smallest_peak) {
               out.smallest_peak = peak;
-              out.smallest_peak_plan = fmt::format("micro-batch {}, {}, checkpointing {}, {} attention, {}", micro,
-                                                   precision_name(precision), checkpointing.name(),
-                                                   attention_path_name(attention), optimizer_name(optimizer));
+              out.smallest_peak_plan = p.describe();
             }
             if (static_cast<double>(peak) <= limit) out.plans.push_back(p);
           }
@@ -143,6 +141,10 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
   }
   rank_plans(result, r, cost);
   return result;
+}
+
+Plan plan_of(const RunConfig& c) {
+  return Plan{c.batch, c.accum, c.precision, c.checkpointing, c.optimizer, c.attention};
 }
 
 RunConfig with_plan(RunConfig c, const Plan& p) {

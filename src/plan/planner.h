@@ -68,7 +68,8 @@ PlanResult plan_with_calibration(const PlanRequest& request, const CostModel::St
                                  const std::map<Precision, double>& known_ratios = {},
                                  const std::function<void(const std::string&)>& progress = nullptr);
 
-// `config` set to run `plan`.
+// `config` set to run `plan`, and the plan `config` runs (its peak and time not predicted).
 RunConfig with_plan(RunConfig config, const Plan& plan);
+Plan plan_of(const RunConfig& config);
 
 }  // namespace headroom

@@ -21,18 +21,12 @@ class EvalObserver final : public StepObserver {
   explicit EvalObserver(int64_t every) : every_(every) {}
   void after_step(Run& run, StepRecord& rec, bool last) override {
     if (!due(rec.step, every_, last)) return;
-    // Without gradients evaluation needs less than a training step; should it still run out, half
-    // the rows at a time, down to one. A run whose training fits is not ended by its evaluation.
-    for (int64_t rows = rec.batch;; rows = (rows + 1) / 2) {
-      try {
-        rec.eval_loss = evaluate(run, rows);
-        return;
-      } catch (const c10::OutOfMemoryError&) {
-        if (rows == 1) {
-          if (!run.config.quiet) fmt::print(stderr, "step {}: evaluation skipped: out of memory at 1 row\n", rec.step);
-          return;
-        }
-      }
+    // Without gradients, evaluation at the step's micro-batch needs less than the step did. Should
+    // it still run out, the run whose training fits is not ended by its evaluation.
+    try {
+      rec.eval_loss = evaluate(run, rec.batch);
+    } catch (const c10::OutOfMemoryError&) {
+      if (!run.config.quiet) fmt::print(stderr, "step {}: evaluation skipped: out of memory\n", rec.step);
     }
   }
 
@@ -72,12 +66,6 @@ class MetricsObserver final : public StepObserver {
   MetricsLog log_;
 };
 
-std::string format_eta(double seconds) {
-  const auto s = static_cast<int64_t>(seconds + 0.5);
-  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
-  return fmt::format("{}:{:02}", s / 60, s % 60);
-}
-
 class ProgressObserver final : public StepObserver {
  public:
   ProgressObserver(int64_t start, int64_t end, int64_t total) : start_(start), end_(end), total_(total) {}
@@ -93,7 +81,7 @@ class ProgressObserver final : public StepObserver {
     fmt::print(stderr, "step {:>5}/{}  loss {:.4f}{}  lr {:.2e}  {:.0f} tok/s  mem {} (peak {} in {})  eta {}\n",
                rec.step, total_, rec.loss, rec.eval_loss ? fmt::format("  eval {:.4f}", *rec.eval_loss) : "", rec.lr,
                static_cast<double>(tokens_) / seconds_, format_bytes(rec.live_bytes), format_bytes(rec.peak_bytes),
-               phase_name(rec.memory.peak_phase), format_eta(eta));
+               phase_name(rec.memory.peak_phase), format_duration(eta));
   }
 
  private:

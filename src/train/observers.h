@@ -28,8 +28,8 @@ class StepObserver {
 };
 
 // Evaluation at the step's micro-batch (record.batch), so that a run whose micro-batch the OOM
-// guard lowered evaluates in batches that fit too (and at half of it on an OOM, down to one row;
-// then skipped with a note): every --eval-every steps and at the last.
+// guard lowered evaluates in batches that fit too (should it still run out, it is skipped with a
+// note): every --eval-every steps and at the last.
 std::unique_ptr<StepObserver> eval_observer(int64_t every);
 // --checkpoint DIR: every --checkpoint-every steps, at the last, and when the run is interrupted.
 // (The trainer checks and locks DIR before it resumes from it or trains.)

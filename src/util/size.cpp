@@ -1,5 +1,8 @@
 #include "util/size.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -69,6 +72,12 @@ std::string format_bytes(int64_t bytes) {
   if (v >= 100) return fmt::format("{}{:.0f} {}", sign, v, units[u]);
   if (v >= 10) return fmt::format("{}{:.1f} {}", sign, v, units[u]);
   return fmt::format("{}{:.2f} {}", sign, v, units[u]);
+}
+
+std::string format_duration(double seconds) {
+  const auto s = static_cast<int64_t>(std::max(0.0, seconds) + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{}:{:02}", s / 60, s % 60);
 }
 
 }  // namespace headroom

@@ -1,4 +1,5 @@
-// Byte sizes as users write them ("512MiB", "24GiB", "80GB", "1000") and as headroom prints them.
+// Byte sizes as users write them ("512MiB", "24GiB", "80GB", "1000") and as headroom prints them;
+// durations as it prints them.
 #pragma once
 
 #include <cstdint>
@@ -14,5 +15,8 @@ int64_t parse_size(std::string_view text, std::string_view what);
 
 // "1.50 GiB", "512.0 MiB", "17 B": binary units, three significant digits.
 std::string format_bytes(int64_t bytes);
+
+// "0:42", "12:05", "1:02:03": a duration in whole seconds, for time left.
+std::string format_duration(double seconds);
 
 }  // namespace headroom

@@ -35,4 +35,11 @@ TEST(FormatBytes, UsesBinaryUnits) {
   EXPECT_EQ(format_bytes(-2048), "-2.00 KiB");
 }
 
+TEST(Size, DurationsPrintAsClockTime) {
+  EXPECT_EQ(format_duration(42), "0:42");
+  EXPECT_EQ(format_duration(725.4), "12:05");
+  EXPECT_EQ(format_duration(3723), "1:02:03");
+  EXPECT_EQ(format_duration(-3), "0:00");
+}
+
 }  // namespace headroom
