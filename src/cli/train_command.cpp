@@ -87,7 +87,7 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
         return 128 + result.interrupted;
       }
       if (cfg.json) {
-        const nlohmann::json out = {
+        nlohmann::json out = {
             {"params", s.params},
             {"steps", s.steps},
             {"final_loss", s.final_loss},
@@ -96,12 +96,14 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
             {"peak_bytes", s.peak_bytes},
             {"seconds", s.seconds},
             {"device", s.device}};
+        if (s.peak_reserved_bytes) out["peak_reserved_bytes"] = *s.peak_reserved_bytes;
         fmt::print("{}\n", dump_json(out));
       } else if (!cfg.quiet) {
         fmt::print(stderr, "\nmemory by phase, at each phase's highest peak — {}:\n{}\n", s.memory_source,
                    s.memory_table);
-        fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}\n", s.steps,
-                   s.final_loss, s.eval_loss, s.tokens_per_s, format_bytes(s.peak_bytes));
+        fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}{}\n", s.steps,
+                   s.final_loss, s.eval_loss, s.tokens_per_s, format_bytes(s.peak_bytes),
+                   s.peak_reserved_bytes ? fmt::format(" ({} reserved)", format_bytes(*s.peak_reserved_bytes)) : "");
       }
       return 0;
     };

@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 
+#include "memory/allocator_config.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/size.h"
@@ -123,7 +124,30 @@ const std::vector<RunField>& run_fields() {
        "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
        "below the card",
        [](RunConfig& c, const std::string& s) { c.memory_budget = parse_budget(s); }},
-      text("memory-snapshot", "cuda: write PyTorch's memory snapshot (open in pytorch.org/memory_viz) to FILE",
+      {"allocator", Kind::text,
+       "cpu memory: counting (default; the budget caps live bytes) or caching (PyTorch's CUDA caching allocator "
+       "reproduced: reserved memory, fragmentation, empty_cache; the budget caps reserved bytes, as a card does). "
+       "cuda always uses PyTorch's",
+       [](RunConfig& c, const std::string& s) {
+         if (s == "counting") {
+           c.allocator = AllocatorKind::counting;
+         } else if (s == "caching") {
+           c.allocator = AllocatorKind::caching;
+         } else {
+           fail("--allocator '{}': accepted: counting or caching", s);
+         }
+       }},
+      {"allocator-conf", Kind::text,
+       "caching allocator settings in PYTORCH_CUDA_ALLOC_CONF's syntax, e.g. expandable_segments:True or "
+       "max_split_size_mb:128,garbage_collection_threshold:0.8 (default: the environment's PYTORCH_ALLOC_CONF or "
+       "PYTORCH_CUDA_ALLOC_CONF)",
+       [](RunConfig& c, const std::string& s) {
+         parse_allocator_config(s, "--allocator-conf");  // refused here, with the option named
+         c.allocator_conf = s;
+       }},
+      text("memory-snapshot",
+           "write the allocator's memory snapshot (open in pytorch.org/memory_viz) to FILE: cuda, or cpu with "
+           "--allocator caching",
            &RunConfig::memory_snapshot),
       {"inject-oom", Kind::text,
        "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
@@ -207,6 +231,8 @@ double RunConfig::weight_decay_value() const {
   if (weight_decay >= 0) return weight_decay;
   return optimizer == OptimizerKind::adamw ? 0.1 : 0.0;
 }
+
+const char* allocator_kind_name(AllocatorKind a) { return a == AllocatorKind::caching ? "caching" : "counting"; }
 
 const char* leak_injection_name(LeakInjection leak) {
   switch (leak) {

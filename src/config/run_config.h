@@ -38,6 +38,13 @@ struct OomInjection {
   std::string text() const;  // as given: "2:150", "3:above:1MiB"
 };
 
+// How cpu memory is served (cuda always has PyTorch's caching allocator).
+enum class AllocatorKind {
+  counting,  // every allocation from the system allocator, counted; the budget caps live bytes
+  caching,   // PyTorch's CUDA caching allocator reproduced; the budget caps reserved bytes
+};
+const char* allocator_kind_name(AllocatorKind a);
+
 struct RunConfig {
   std::string model = "tiny";
   std::vector<std::string> overrides;  // --set key=value
@@ -59,7 +66,11 @@ struct RunConfig {
   Precision precision = Precision::fp32;
   CheckpointPolicy checkpointing;
   std::optional<int64_t> memory_budget;  // bytes; none: the device's own. cpu: a simulated device; cuda: a cap
-  std::string memory_snapshot;           // cuda: write PyTorch's memory snapshot pickle here at the end (and on OOM)
+  AllocatorKind allocator = AllocatorKind::counting;
+  // The caching allocator's settings in PYTORCH_CUDA_ALLOC_CONF's syntax; empty: the environment's
+  // (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF).
+  std::string allocator_conf;
+  std::string memory_snapshot;  // write the allocator's memory snapshot pickle here at the end (and on OOM)
   std::optional<OomInjection> inject_oom;
   LeakInjection inject_leak = LeakInjection::none;
   std::string metrics;           // JSONL path

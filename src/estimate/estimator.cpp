@@ -80,7 +80,7 @@ class StepSim : sim::Ops {
   int weights_, grads_;
   std::map<std::string, Param> params_;
   std::vector<std::string> order_;  // parameter names in registration order
-  Ref dataset_;
+  Ref dataset_, dataset_eval_;
   std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
 };
 
@@ -259,8 +259,14 @@ void StepSim::micro_batch(int64_t rows) {
 
 void StepSim::setup() {
   if (!s_.cuda && s_.dataset_bytes > 0) {
-    dataset_ = mem_.allocate(s_.dataset_bytes,
-                             mem_.label("dataset", Category::other, "the corpus in host memory, 1 B per token"));
+    // As TextDataset loads it: the whole corpus, then its train and held-out parts cloned out of it
+    // (10% held out), then the whole freed. Live bytes end where they began; a caching allocator's
+    // blocks do not.
+    const int lbl = mem_.label("dataset", Category::other, "the corpus in host memory, 1 B per token");
+    const int64_t n = s_.dataset_bytes, held_out = static_cast<int64_t>(static_cast<double>(n) * 0.1);
+    Ref all = mem_.allocate(n, lbl);
+    dataset_ = mem_.allocate(n - held_out, lbl);
+    dataset_eval_ = mem_.allocate(held_out, lbl);
   }
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
   shapes_ =
@@ -282,6 +288,10 @@ void StepSim::setup() {
   }
   // A tied head is the embedding used a second time: two gradients arrive for it per backward.
   if (c_.tie_word_embeddings) params_.at("embed_tokens.weight").t.slot->uses = 2;
+  // CausalLM initialises each parameter in a float32 copy, one at a time, in registration order:
+  // nothing at the peak, but a caching allocator keeps the largest copy's segment.
+  const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");
+  for (const auto& name : order_) Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
 }
 
 Estimate StepSim::run() {
@@ -319,6 +329,7 @@ Estimate StepSim::run() {
     }
   }
 
+  const size_t step_begin = mem_.events().size();
   micro_batch(s_.batch);
   if (s_.accum > 1) micro_batch(s_.batch);  // the second sees the first's gradients
 
@@ -368,6 +379,9 @@ Estimate StepSim::run() {
   }
   std::stable_sort(e.items.begin(), e.items.end(),
                    [](const EstimateItem& a, const EstimateItem& b) { return a.bytes > b.bytes; });
+  // Two steps, as the cache reaches its steady state in the second (the first's free blocks are
+  // what the second finds).
+  if (s_.caching) e.reserved = replay_reserved(mem_.events(), step_begin, 2, *s_.caching, s_.budget);
   return e;
 }
 
@@ -395,6 +409,14 @@ nlohmann::json Estimate::to_json() const {
   nlohmann::json phases = nlohmann::json::object();
   for (Phase p : kStepPhases) phases[std::string(phase_name(p))] = phase_peaks[static_cast<size_t>(p)];
   j["phases"] = phases;
+  if (reserved) {
+    j["peak_reserved_bytes"] = reserved->peak_reserved;
+    j["reserved"] = {{"peak_reserved_bytes", reserved->peak_reserved},
+                     {"peak_allocated_block_bytes", reserved->peak_allocated},
+                     {"peak_inactive_split_bytes", reserved->peak_inactive_split},
+                     {"segments", reserved->segments},
+                     {"out_of_memory_under_budget", reserved->oom}};
+  }
   return j;
 }
 
@@ -406,6 +428,12 @@ std::string Estimate::table() const {
                        i.formula);
   }
   out += fmt::format("{:<26} {:>11} {:>6}  in {}\n", "peak", format_bytes(peak_bytes), "100%", phase_name(peak_phase));
+  if (reserved) {
+    out += fmt::format("{:<26} {:>11} {:>6}  caching allocator: segments held, {} above the peak (of which {} free "
+                       "inside split segments at most)\n",
+                       "peak reserved", format_bytes(reserved->peak_reserved), "",
+                       format_bytes(reserved->peak_reserved - peak_bytes), format_bytes(reserved->peak_inactive_split));
+  }
   return out;
 }
 
@@ -442,6 +470,11 @@ TrainSpec train_spec(const RunConfig& cfg) {
   // An estimate is for before the GPU is rented: --device cuda needs none here.
   s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
   s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);
+  if (s.cuda || cfg.allocator == AllocatorKind::caching) {
+    const std::string settings = cfg.allocator_conf.empty() ? allocator_config_from_environment() : cfg.allocator_conf;
+    s.caching = parse_allocator_config(settings, cfg.allocator_conf.empty() ? "PYTORCH_CUDA_ALLOC_CONF" : "--allocator-conf");
+    s.budget = cfg.memory_budget;
+  }
   return s;
 }
 

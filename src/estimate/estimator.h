@@ -16,6 +16,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -25,7 +26,9 @@
 #include "config/model_config.h"
 #include "config/optimizer_kind.h"
 #include "config/precision.h"
+#include "estimate/reserved.h"
 #include "estimate/sim.h"
+#include "memory/allocator_config.h"
 #include "memory/phase.h"
 
 namespace headroom {
@@ -40,6 +43,10 @@ struct TrainSpec {
   AttentionPath attention = AttentionPath::flash;
   bool cuda = false;
   int64_t dataset_bytes = 0;  // cpu: the corpus, held in host memory as one byte per token
+  // A caching allocator's settings (cuda; cpu with --allocator caching): reserved memory is
+  // predicted by replaying the step through its policy (estimate/reserved.h). nullopt: not predicted.
+  std::optional<AllocatorConfig> caching;
+  std::optional<int64_t> budget;  // with caching: the cap the replay runs under (fits by reserved)
 };
 
 struct EstimateItem {
@@ -60,6 +67,9 @@ struct Estimate {
   // Live bytes by category when the optimizer phase begins: the weights, the whole gradients and
   // the optimizer's state as the update finds them.
   std::array<int64_t, sim::kCategories> at_update{};
+
+  // With a caching allocator: two steps replayed through its policy (reserved, fragmentation).
+  std::optional<ReservedReplay> reserved;
 
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
   // What the trainer's monitor counts as activations: everything but weights, gradients, optimizer

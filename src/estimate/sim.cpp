@@ -34,6 +34,7 @@ int Memory::label(const std::string& name, Category category, const std::string&
 Ref Memory::allocate(int64_t bytes, int label) {
   const int64_t padding = rounding_label_ >= 0 ? (granule_ - bytes % granule_) % granule_ : 0;
   buffers_.push_back({bytes, label, padding});
+  events_.push_back({static_cast<int>(buffers_.size() - 1), bytes, true});
   live_ += bytes + padding;
   by_label_[static_cast<size_t>(label)] += bytes;
   if (padding > 0) by_label_[static_cast<size_t>(rounding_label_)] += padding;
@@ -56,6 +57,7 @@ void Memory::relabel(const Ref& buffer, int label) {
 
 void Memory::release(int id) {
   const Slot& s = buffers_[static_cast<size_t>(id)];
+  events_.push_back({id, s.bytes, false});
   live_ -= s.bytes + s.padding;
   by_label_[static_cast<size_t>(s.label)] -= s.bytes;
   if (s.padding > 0) by_label_[static_cast<size_t>(rounding_label_)] -= s.padding;

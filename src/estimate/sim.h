@@ -100,6 +100,15 @@ class Memory {
   // Bytes live now under `label`.
   int64_t live_under(int label) const { return by_label_[static_cast<size_t>(label)]; }
 
+  // Every allocation and release so far, in order, at the bytes asked for (before rounding): the
+  // sequence a caching allocator would see (estimate/reserved.h replays it).
+  struct Event {
+    int id = 0;
+    int64_t bytes = 0;
+    bool allocated = true;  // false: released
+  };
+  const std::vector<Event>& events() const { return events_; }
+
  private:
   friend class Buffer;
   void release(int id);
@@ -110,6 +119,7 @@ class Memory {
     int64_t padding = 0;  // rounding, counted under rounding_label_
   };
   std::vector<Slot> buffers_;
+  std::vector<Event> events_;
   std::vector<Label> labels_;
   std::vector<int64_t> by_label_;
   int64_t live_ = 0;

@@ -5,7 +5,9 @@
 #include <execinfo.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 
@@ -35,6 +37,7 @@ BudgetAllocator& BudgetAllocator::install() {
 
 void BudgetAllocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (heap_ != nullptr) heap_->policy().reset_peaks();
   peak_.store(live_bytes(), std::memory_order_relaxed);
   peak_seq_.store(allocation_count(), std::memory_order_relaxed);
 }
@@ -44,7 +47,11 @@ void BudgetAllocator::clear_last_oom() {
   last_oom_.reset();
 }
 
-void BudgetAllocator::set_budget(std::optional<int64_t> bytes) { budget_.store(bytes ? *bytes : -1); }
+void BudgetAllocator::set_budget(std::optional<int64_t> bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  budget_.store(bytes ? *bytes : -1);
+  if (heap_ != nullptr) heap_->policy().set_limit(bytes);
+}
 
 std::optional<int64_t> BudgetAllocator::budget() const {
   const int64_t b = budget_.load();
@@ -72,7 +79,8 @@ void BudgetAllocator::disarm() {
   fail_above_.store(-1);
 }
 
-void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool injected) {
+void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool injected,
+                             std::optional<CachingOom> caching) {
   OomEvent e;
   e.requested = bytes;
   e.live = live;
@@ -81,6 +89,7 @@ void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool inje
   e.phase = static_cast<Phase>(phase_.load());
   e.sequence = allocation_count();
   e.injected = injected;
+  e.caching = caching;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     last_oom_ = e;
@@ -90,6 +99,21 @@ void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool inje
     C10_THROW_ERROR(OutOfMemoryError,
                     fmt::format("CPU out of memory (injected fault){}. Tried to allocate {}; {} in use.", where,
                                 format_bytes(bytes), format_bytes(live)));
+  }
+  if (caching) {
+    // In the words of CUDA's message, for the same situation.
+    const std::string cause =
+        caching->device_refused || caching->limit < 0
+            ? "the machine's memory"
+            : fmt::format("headroom budget {}", format_bytes(caching->limit));
+    C10_THROW_ERROR(OutOfMemoryError,
+                    fmt::format("CPU out of memory ({}, caching allocator){}. Tried to allocate {} (a new {} "
+                                "segment). {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. "
+                                "If reserved but unallocated memory is large try setting "
+                                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.",
+                                cause, where, format_bytes(caching->rounded), format_bytes(caching->segment_bytes),
+                                format_bytes(caching->allocated),
+                                format_bytes(std::max<int64_t>(0, caching->reserved - caching->allocated))));
   }
   if (cap < 0) {
     C10_THROW_ERROR(OutOfMemoryError,
@@ -104,6 +128,19 @@ void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool inje
                               format_bytes(std::max<int64_t>(0, cap - live))));
 }
 
+void BudgetAllocator::record(void* ptr, AllocationRecord rec) {
+  rec.sequence = count_.load(std::memory_order_relaxed) + 1;
+  records_.emplace(ptr, rec);
+  count_.store(rec.sequence, std::memory_order_relaxed);
+  ++histogram_[size_class(rec.bytes)];
+  // Under the lock, so that the peak and the allocation that set it agree.
+  const int64_t now = live_bytes();
+  if (now > peak_.load(std::memory_order_relaxed)) {
+    peak_.store(now, std::memory_order_relaxed);
+    peak_seq_.store(rec.sequence, std::memory_order_relaxed);
+  }
+}
+
 c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   if (!accounting_.load(std::memory_order_relaxed)) return inner_->allocate(bytes);
   const auto n = static_cast<int64_t>(bytes);
@@ -114,6 +151,7 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   if (above >= 0 && n > above && fail_above_.compare_exchange_strong(above, -1)) {
     refuse(n, live_bytes(), budget_.load(), /*injected=*/true);
   }
+  if (caching_.load(std::memory_order_relaxed) && n > 0) return allocate_cached(n);
   // Reserve the bytes before allocating, so that concurrent allocations cannot together pass the
   // budget; give them back if the allocation does not happen.
   const int64_t cap = budget_.load(std::memory_order_relaxed);
@@ -151,21 +189,36 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
     TORCH_CHECK(inner.get_context() == ptr, "BudgetAllocator: the wrapped CPU allocator uses contexts");
     if (inner_deleter_ == nullptr) inner_deleter_ = inner.get_deleter();
     TORCH_CHECK(inner.get_deleter() == inner_deleter_, "BudgetAllocator: the wrapped allocator's deleter varies");
-    rec.sequence = count_.load(std::memory_order_relaxed) + 1;
-    records_.emplace(ptr, rec);
-    count_.store(rec.sequence, std::memory_order_relaxed);
-    ++histogram_[size_class(n)];
-    // Under the lock, so that the peak and the allocation that set it agree.
-    const int64_t now = live_bytes();
-    if (now > peak_.load(std::memory_order_relaxed)) {
-      peak_.store(now, std::memory_order_relaxed);
-      peak_seq_.store(rec.sequence, std::memory_order_relaxed);
-    }
+    record(ptr, rec);
   } catch (...) {
     live_.fetch_sub(n, std::memory_order_relaxed);
     throw;  // `inner` still owns the memory and frees it
   }
   inner.release_context();
+  return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
+}
+
+c10::DataPtr BudgetAllocator::allocate_cached(int64_t n) {
+  AllocationRecord rec;
+  rec.bytes = n;
+  rec.step = step_.load(std::memory_order_relaxed);
+  rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
+  if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
+  std::optional<CachingOom> refused;
+  void* ptr = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(heap_ != nullptr, "BudgetAllocator: caching without a heap");
+    ptr = heap_->allocate(n);
+    if (ptr == nullptr) {
+      refused = heap_->policy().last_oom();
+    } else {
+      rec.heap = heap_.get();
+      live_.fetch_add(n, std::memory_order_relaxed);
+      record(ptr, rec);
+    }
+  }
+  if (ptr == nullptr) refuse(n, live_bytes(), budget_.load(), /*injected=*/false, refused);
   return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
 }
 
@@ -185,11 +238,103 @@ void BudgetAllocator::on_free(void* ptr) {
       std::abort();
     }
     bytes = it->second.bytes;
+    CachingHeap* heap = it->second.heap;
     records_.erase(it);
+    live_.fetch_sub(bytes, std::memory_order_relaxed);
+    if (heap != nullptr) {
+      heap->free(ptr);
+      if (heap != heap_.get() && heap->empty()) {
+        std::erase_if(retired_, [&](const auto& h) { return h.get() == heap; });  // its last block: unmapped
+      }
+      return;
+    }
     deleter = inner_deleter_;
   }
-  live_.fetch_sub(bytes, std::memory_order_relaxed);
   deleter(ptr);
+}
+
+void BudgetAllocator::use_caching(std::optional<AllocatorConfig> config) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (heap_ != nullptr) {
+    heap_->policy().set_observer(nullptr);
+    heap_->policy().empty_cache();
+    if (!heap_->empty()) retired_.push_back(std::move(heap_));
+    heap_.reset();
+  }
+  caching_.store(config.has_value());
+  if (!config) return;
+  const int64_t cap = budget_.load();
+  heap_ = std::make_unique<CachingHeap>(*config, cap < 0 ? std::nullopt : std::optional<int64_t>(cap));
+  if (history_max_ > 0) heap_->policy().set_observer([this](const TraceEvent& e) { observe(e); });
+}
+
+std::optional<CachingStats> BudgetAllocator::caching_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (heap_ == nullptr) return std::nullopt;
+  return heap_->policy().stats();
+}
+
+std::vector<SegmentInfo> BudgetAllocator::caching_segments() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (heap_ == nullptr) return {};
+  return heap_->policy().segments();
+}
+
+std::optional<AllocatorConfig> BudgetAllocator::caching_config() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (heap_ == nullptr) return std::nullopt;
+  return heap_->policy().config();
+}
+
+void BudgetAllocator::set_caching_config(const AllocatorConfig& config) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(heap_ != nullptr, "BudgetAllocator::set_caching_config: not caching");
+  heap_->policy().set_config(config);
+}
+
+void BudgetAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (heap_ != nullptr) heap_->policy().empty_cache();
+}
+
+void BudgetAllocator::record_history(size_t max_entries) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  history_max_ = max_entries;
+  history_.clear();
+  history_next_ = 0;
+  history_start_us_ = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  if (heap_ == nullptr) return;
+  if (max_entries > 0) {
+    heap_->policy().set_observer([this](const TraceEvent& e) { observe(e); });
+  } else {
+    heap_->policy().set_observer(nullptr);
+  }
+}
+
+void BudgetAllocator::observe(const TraceEvent& e) {
+  HistoryEntry h;
+  h.event = e;
+  h.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                  std::chrono::steady_clock::now().time_since_epoch())
+                  .count() -
+              history_start_us_;
+  h.step = step_.load(std::memory_order_relaxed);
+  h.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
+  if (history_.size() < history_max_) {
+    history_.push_back(h);
+  } else {
+    history_[history_next_] = h;
+    history_next_ = (history_next_ + 1) % history_max_;
+  }
+}
+
+std::vector<HistoryEntry> BudgetAllocator::history() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<HistoryEntry> out(history_.begin() + static_cast<std::ptrdiff_t>(history_next_), history_.end());
+  out.insert(out.end(), history_.begin(), history_.begin() + static_cast<std::ptrdiff_t>(history_next_));
+  return out;
 }
 
 std::optional<AllocationRecord> BudgetAllocator::record_of(const void* ptr) const {

@@ -14,6 +14,13 @@
 // step and phase, and nothing is allocated. Fault injection fails the N-th allocation after arming,
 // or the first one above a size, the same way — deterministic, for tests of OOM handling.
 //
+// Two ways to get memory. Counting (the default): each allocation goes to the allocator it wraps,
+// and the budget caps live bytes. Caching (use_caching): each is served by a CachingHeap, PyTorch's
+// CUDA caching allocator reproduced over host memory, and the budget caps *reserved* bytes, as a
+// card does: an OOM can then come from fragmentation, and caching_stats() has torch.cuda's
+// allocated, reserved, active, inactive-split, retries and OOMs. Live and peak bytes stay what
+// tensors asked for in both. Switching leaves earlier blocks where they were allocated.
+//
 // Each live allocation has a record: size, a sequence number (the allocation count when it was
 // made), the step and phase it was made in, and, when enabled, a short native backtrace. Counters
 // are atomic, records sit behind a mutex; allocate and free may be called from any thread. The
@@ -23,6 +30,7 @@
 #include <c10/core/Allocator.h>
 
 #include <array>
+#include <memory>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -30,6 +38,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "memory/caching_heap.h"
 #include "memory/phase.h"
 
 namespace headroom {
@@ -43,6 +52,7 @@ struct AllocationRecord {
   Phase phase = Phase::idle;
   int frames = 0;  // entries of `stack` in use (0 unless backtraces are on)
   std::array<void*, kMaxFrames> stack{};
+  CachingHeap* heap = nullptr;  // the heap that served it (caching), else null
 };
 
 struct LiveAllocation {
@@ -59,6 +69,16 @@ struct OomEvent {
   Phase phase = Phase::idle;
   uint64_t sequence = 0;  // allocations made before it
   bool injected = false;
+  std::optional<CachingOom> caching;  // the caching allocator's state when it refused
+};
+
+// One event of the caching allocator's history, with the step and phase it happened in and its
+// time since the history began.
+struct HistoryEntry {
+  TraceEvent event;
+  int64_t time_us = 0;
+  int64_t step = -1;
+  Phase phase = Phase::idle;
 };
 
 class BudgetAllocator final : public c10::Allocator {
@@ -104,6 +124,23 @@ class BudgetAllocator final : public c10::Allocator {
   // Record a native backtrace with each allocation (costs a few microseconds each).
   void set_backtraces(bool on) { backtraces_.store(on); }
 
+  // Caching: later allocations come from a new CachingHeap with these settings (the cached memory
+  // of the previous one is returned); nullopt: back to counting.
+  void use_caching(std::optional<AllocatorConfig> config);
+  bool caching() const { return caching_.load(std::memory_order_relaxed); }
+  // Caching only (nullopt when counting): the heap's statistics, its segments, its settings.
+  std::optional<CachingStats> caching_stats() const;
+  std::vector<SegmentInfo> caching_segments() const;
+  std::optional<AllocatorConfig> caching_config() const;
+  // Changes the settings of the current heap in place, as PyTorch's setAllocatorSettings does
+  // (blocks already cut stay as they are).
+  void set_caching_config(const AllocatorConfig& config);
+  // Returns cached blocks that hold no live allocation (caching; nothing when counting).
+  void empty_cache();
+  // Records the caching heap's events, keeping the latest `max_entries` (off: 0, which clears).
+  void record_history(size_t max_entries);
+  std::vector<HistoryEntry> history() const;
+
   std::optional<AllocationRecord> record_of(const void* ptr) const;
   std::vector<LiveAllocation> live_allocations() const;
   std::optional<OomEvent> last_oom() const;
@@ -115,7 +152,11 @@ class BudgetAllocator final : public c10::Allocator {
   explicit BudgetAllocator(c10::Allocator* inner) : inner_(inner) {}
   static void release(void* ptr);
   void on_free(void* ptr);
-  [[noreturn]] void refuse(int64_t bytes, int64_t live, int64_t cap, bool injected);
+  [[noreturn]] void refuse(int64_t bytes, int64_t live, int64_t cap, bool injected,
+                           std::optional<CachingOom> caching = std::nullopt);
+  c10::DataPtr allocate_cached(int64_t bytes);
+  void observe(const TraceEvent& e);  // under mutex_
+  void record(void* ptr, AllocationRecord rec);  // under mutex_: the record, count, histogram, peak
 
   c10::Allocator* inner_;
   c10::DeleterFnPtr inner_deleter_ = nullptr;
@@ -134,6 +175,13 @@ class BudgetAllocator final : public c10::Allocator {
   std::atomic<int64_t> fail_above_{-1};     // >= 0: armed
   std::atomic<bool> accounting_{true};
   std::atomic<bool> backtraces_{false};
+  std::atomic<bool> caching_{false};
+  std::unique_ptr<CachingHeap> heap_;                  // caching: the current heap
+  std::vector<std::unique_ptr<CachingHeap>> retired_;  // earlier heaps with live blocks
+  size_t history_max_ = 0;
+  std::vector<HistoryEntry> history_;  // a ring of history_max_ entries once full
+  size_t history_next_ = 0;
+  int64_t history_start_us_ = 0;
 };
 
 }  // namespace headroom

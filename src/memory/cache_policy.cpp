@@ -18,6 +18,14 @@ CacheDecision after_oom(const CacheState& s) {
                            format_bytes(s.inactive_split), format_bytes(s.requested));
     return d;
   }
+  if (s.requested > 0 && s.limit > 0 && s.allocated + s.requested <= s.limit) {
+    d.action = CacheAction::expandable_segments;
+    d.reason = fmt::format("{} allocated and the {} request fit the {} cap; the allocator's segments ({} reserved) did "
+                           "not",
+                           format_bytes(s.allocated), format_bytes(s.requested), format_bytes(s.limit),
+                           format_bytes(s.reserved));
+    return d;
+  }
   d.reason = s.requested > 0 ? fmt::format("only {} free inside segments for a {} request",
                                            format_bytes(s.inactive_split), format_bytes(s.requested))
                              : "the request's size is unknown";

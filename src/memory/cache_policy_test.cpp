@@ -16,6 +16,11 @@ TEST(CachePolicy, ExpandableSegmentsOnlyWhenFragmentationCouldHoldTheRequest) {
   EXPECT_NE(frag.reason.find("could have held"), std::string::npos) << frag.reason;
   // Only 50 MiB free inside segments: the memory is really used; halving is the lever.
   EXPECT_EQ(after_oom({1150 * MiB, 1200 * MiB, 50 * MiB, 200 * MiB, false}).action, CacheAction::none);
+  // 40 MiB free in segments is less than the 200 MiB request, but 900 + 200 fits a 1200 MiB cap:
+  // only the segments stand in the way.
+  const CacheDecision capped = after_oom({900 * MiB, 1180 * MiB, 40 * MiB, 200 * MiB, false, 1200 * MiB});
+  EXPECT_EQ(capped.action, CacheAction::expandable_segments);
+  EXPECT_EQ(after_oom({1100 * MiB, 1180 * MiB, 40 * MiB, 200 * MiB, false, 1200 * MiB}).action, CacheAction::none);
   // Already on, or the request unknown: nothing to switch.
   EXPECT_EQ(after_oom({900 * MiB, 1200 * MiB, 300 * MiB, 200 * MiB, true}).action, CacheAction::none);
   EXPECT_EQ(after_oom({900 * MiB, 1200 * MiB, 300 * MiB, 0, false}).action, CacheAction::none);

@@ -27,6 +27,7 @@ nlohmann::json StepMemory::to_json() const {
     if (!m.seen) continue;
     j[std::string(phase_name(p))] = {
         {"live_in", m.live_in}, {"live_out", m.live_out}, {"peak", m.peak}, {"breakdown", m.at_peak.to_json()}};
+    if (m.peak_reserved >= 0) j[std::string(phase_name(p))]["peak_reserved"] = m.peak_reserved;
   }
   return j;
 }
@@ -78,6 +79,13 @@ void MemoryMonitor::exit_phase(Phase p) {
   if (!m.seen || peak > m.peak) {
     m.peak = peak;
     m.at_peak = peak <= entry_live_ ? entry_breakdown_ : breakdown_at(peak, probe_.peak_sequence());
+  }
+  if (const auto st = probe_.allocator_state()) {
+    m.peak_reserved = std::max(m.peak_reserved, st->peak_reserved);
+    m.reserved_out = st->reserved;
+    in_flight_.reserved = st->reserved;
+    in_flight_.peak_reserved = std::max(in_flight_.peak_reserved.value_or(0), st->peak_reserved);
+    in_flight_.peak_inactive_split = std::max(in_flight_.peak_inactive_split.value_or(0), st->peak_inactive_split);
   }
   m.seen = true;
   probe_.set_context(step_, Phase::idle);

@@ -46,6 +46,10 @@ struct PhaseMemory {
   int64_t live_out = 0;
   int64_t peak = 0;
   Breakdown at_peak;
+  // A caching allocator's reserved bytes (-1: the allocator does not cache): the highest inside the
+  // phase, and at its exit.
+  int64_t peak_reserved = -1;
+  int64_t reserved_out = -1;
 };
 
 struct StepMemory {
@@ -53,6 +57,9 @@ struct StepMemory {
   std::array<PhaseMemory, kStepPhases.size()> phases;
   int64_t peak = 0;
   Phase peak_phase = Phase::idle;
+  // A caching allocator's (cuda, cpu caching): reserved bytes after the step and the step's highest,
+  // and the most free bytes inside split segments (inactive split) in it.
+  std::optional<int64_t> reserved, peak_reserved, peak_inactive_split;
   nlohmann::json to_json() const;  // {"forward": {"live_in", "live_out", "peak", "breakdown"}, ...}
 };
 

@@ -19,6 +19,16 @@
 
 namespace headroom {
 
+// A caching allocator's state (torch.cuda.memory_stats' names): cuda, or cpu with --allocator caching.
+struct AllocatorState {
+  int64_t allocated = 0, peak_allocated = 0;  // blocks handed out, at block size
+  int64_t reserved = 0, peak_reserved = 0;    // held from the device
+  int64_t inactive_split = 0, peak_inactive_split = 0;
+  int64_t alloc_retries = 0;
+  int64_t ooms = 0;
+  bool expandable_segments = false;
+};
+
 class MemoryProbe {
  public:
   virtual ~MemoryProbe() = default;
@@ -45,10 +55,26 @@ class MemoryProbe {
   virtual void set_budget(std::optional<int64_t> bytes) = 0;
   virtual std::optional<int64_t> budget() const = 0;
 
+  // The caching allocator's figures; nullopt where the allocator does not cache (cpu counting).
+  // Peaks are since the last reset_peak().
+  virtual std::optional<AllocatorState> allocator_state() const { return std::nullopt; }
+  // Returns cached blocks that hold no live allocation (cuda: cudaFree; cpu caching: munmap).
+  virtual void empty_cache() {}
+  // Expandable segments from now on (caching allocators; nothing for the counting one).
+  virtual void enable_expandable_segments() {}
+
+  // The allocator's memory snapshot as a pickle pytorch.org/memory_viz opens (cuda: PyTorch's own;
+  // cpu caching: the same structure, memory/allocator_snapshot.h). Checks that there is one.
+  virtual std::string snapshot_pickle() const;
+
   // What the figures are, for reports: "cpu (counting allocator)", "cuda:0 (caching allocator)".
   virtual std::string source() const = 0;
 };
 
-std::unique_ptr<MemoryProbe> make_memory_probe(const c10::Device& device);
+// cpu: `caching` serves allocations through the caching allocator with `settings`
+// (PYTORCH_CUDA_ALLOC_CONF syntax) instead of counting them; cuda: always PyTorch's caching
+// allocator, with `settings` applied when not empty.
+std::unique_ptr<MemoryProbe> make_memory_probe(const c10::Device& device, bool caching = false,
+                                               const std::string& settings = "");
 
 }  // namespace headroom

@@ -47,6 +47,9 @@ void MetricsLog::write(const StepRecord& r) {
                       {"batch", r.batch},
                       {"accum", r.accum},
                       {"oom_recoveries", r.oom_recoveries}};
+  if (r.reserved_bytes) j["reserved_bytes"] = *r.reserved_bytes;
+  if (r.peak_reserved_bytes) j["peak_reserved_bytes"] = *r.peak_reserved_bytes;
+  if (r.peak_inactive_split_bytes) j["peak_inactive_split_bytes"] = *r.peak_inactive_split_bytes;
   j["peak_phase"] = std::string(phase_name(r.memory.peak_phase));
   j["phases"] = r.memory.to_json();
   if (r.skipped) j["skipped"] = true;

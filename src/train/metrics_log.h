@@ -9,12 +9,16 @@
 //                   CPU allocator (headroom's counting allocator); on cuda, the caching allocator's
 //                   allocated bytes (not reserved)
 //   live_bytes      device memory in use at the end of the step, same source
+//   reserved_bytes, peak_reserved_bytes, peak_inactive_split_bytes
+//                   with a caching allocator (cuda; cpu with --allocator caching): what it reserves
+//                   after the step and at most during it, and the most free bytes inside split
+//                   segments (fragmentation); absent with cpu's counting allocator
 //   lr, grad_norm   learning rate used, global gradient norm before clipping
 //   batch, accum    micro-batch size and micro-batches the step ran with
 //   oom_recoveries  OOMs the guard absorbed during the step
 //   peak_phase      the phase that held the step's peak (data, forward, backward, optimizer, zero_grad)
 //   phases          per phase: live_in and live_out (bytes at entry and exit), peak (inside), and
-//                   breakdown: the peak by category — weights, gradients, optimizer, activations
+//                   peak_reserved (caching allocators), breakdown: the peak by category — weights, gradients, optimizer, activations
 //                   (and temporaries), other (live before the step and none of those)
 //   skipped         true when fp16 loss scaling found an inf/NaN gradient and skipped the update
 //   loss_scale      the fp16 loss scale after the step (fp16-mixed only)

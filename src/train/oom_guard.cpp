@@ -5,7 +5,6 @@
 
 #include <cstdio>
 
-#include "device/cuda_adapter.h"
 #include "memory/budget_allocator.h"
 #include "memory/cache_policy.h"
 #include "util/files.h"
@@ -73,7 +72,7 @@ OomReport OomGuard::diagnose(const c10::OutOfMemoryError& e, const StepShape& sh
 
 GuardedStep OomGuard::run(int64_t step) {
   const InjectionScope injection(run_.config.inject_oom, step);
-  const bool quiet = run_.config.quiet, cuda = run_.device.is_cuda();
+  const bool quiet = run_.config.quiet;
   GuardedStep g;
   for (;;) {
     const StepShape shape{step, global_rows_, micro_};
@@ -84,12 +83,18 @@ GuardedStep OomGuard::run(int64_t step) {
       g.accum = shape.accum();
       return g;
     } catch (const c10::OutOfMemoryError& e) {
-      // On cuda, the allocator's state at the failure, before the step's memory is released.
-      CacheState cache;
-      if (cuda) {
-        const CudaMemoryStats st = cuda_memory_stats(run_.device.index());
-        cache = {st.allocated_bytes, st.reserved_bytes, st.inactive_split_bytes,
-                 requested_bytes_of(e.what_without_backtrace()), expandable_segments_};
+      // A caching allocator's state, before the failed step's gradients are released (its activations
+      // went with the unwound stack: the cpu allocator's own record has the figures at the failure).
+      std::optional<CacheState> cache;
+      if (const auto st = run_.probe->allocator_state()) {
+        const auto event = run_.probe->last_oom();
+        cache = CacheState{st->allocated, st->reserved, st->inactive_split,
+                           event ? event->requested : requested_bytes_of(e.what_without_backtrace()),
+                           st->expandable_segments, run_.probe->budget().value_or(-1)};
+        if (event && event->caching) {
+          cache->allocated = event->caching->allocated;
+          cache->reserved = event->caching->reserved;
+        }
       }
       const bool updating = g.outcome.update_started;
       OomReport report = diagnose(e, shape, updating);
@@ -97,12 +102,11 @@ GuardedStep OomGuard::run(int64_t step) {
         g.oom = report;
         return g;
       }
-      if (cuda) {
-        const CacheDecision d = after_oom(cache);
+      if (cache) {
+        const CacheDecision d = after_oom(*cache);
         if (d.action == CacheAction::expandable_segments) {
           // Fragmentation, not size: the same micro-batch again, in expandable segments.
-          cuda_set_allocator_settings("expandable_segments:True");
-          expandable_segments_ = true;
+          run_.probe->enable_expandable_segments();
           if (!quiet) {
             fmt::print(stderr,
                        "step {}: out of memory with micro-batch {}: {}; expandable segments on, same "
@@ -127,10 +131,9 @@ GuardedStep OomGuard::run(int64_t step) {
       }
       micro_ = smaller;
       ++g.recoveries;
-      if (cuda) {
-        // Segments cut for the old shapes: returned once if enough of the reservation is idle.
-        const CudaMemoryStats st = cuda_memory_stats(run_.device.index());
-        if (empty_cache_after_reshape(st.allocated_bytes, st.reserved_bytes)) cuda_empty_cache();
+      // Segments cut for the old shapes: returned once if enough of the reservation is idle.
+      if (const auto st = run_.probe->allocator_state(); st && empty_cache_after_reshape(st->allocated, st->reserved)) {
+        run_.probe->empty_cache();
       }
     }
   }

@@ -5,7 +5,8 @@
 // update, the failed step's memory is released (its activations went with the unwound stack; its
 // gradients are dropped here) and the same global batch runs again — same rows, same order, same
 // dropout seed — with half the micro-batch and twice the accumulation, down to micro-batch 1; the
-// micro-batch stays lowered for the rest of the run. On cuda, fragmentation is tried first: when
+// micro-batch stays lowered for the rest of the run. With a caching allocator (cuda, cpu with
+// --allocator caching), fragmentation is tried first: when
 // the free bytes split inside the cached segments could have held the request, the same
 // micro-batch runs again in expandable segments (memory/cache_policy.h); after a reshape the cache
 // is emptied when enough of it is idle. It gives up — returning the diagnosis, never throwing — when
@@ -47,7 +48,6 @@ class OomGuard {
   Run& run_;
   int64_t global_rows_;
   int64_t micro_;
-  bool expandable_segments_ = false;  // cuda: switched on once fragmentation caused an OOM
 };
 
 }  // namespace headroom

@@ -6,21 +6,30 @@
 
 #include "device/cuda_adapter.h"
 #include "device/device.h"
+#include "memory/allocator_config.h"
+#include "memory/budget_allocator.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/size.h"
 
 namespace headroom {
+namespace {
+// Allocator events a cpu snapshot keeps (the latest), as PyTorch's record_memory_history keeps 100,000.
+constexpr size_t kHistoryEntries = 100'000;
+}  // namespace
 
 Run::Run(const RunConfig& cfg, const c10::Device& dev)
     : config(cfg),
       device(dev),
-      probe(make_memory_probe(dev)),
+      probe(make_memory_probe(dev, cfg.allocator == AllocatorKind::caching,
+                              cfg.allocator_conf.empty() && !dev.is_cuda() ? allocator_config_from_environment()
+                                                                           : cfg.allocator_conf)),
       forward{cfg.attention, /*training=*/true, cfg.checkpointing} {
   history_ = !cfg.memory_snapshot.empty();
   // The snapshot's recorder would replace the origin tagger: one or the other.
   origins_ = cfg.leak_origins && dev.is_cuda() && !history_;
-  if (history_) cuda_record_memory_history(true);
+  if (history_ && dev.is_cuda()) cuda_record_memory_history(true);
+  if (history_ && !dev.is_cuda()) BudgetAllocator::install().record_history(kHistoryEntries);
   if (origins_) probe->record_origins(true);
 }
 
@@ -28,7 +37,8 @@ Run::~Run() {
   try {
     probe->set_budget(std::nullopt);
     probe->set_context(-1, Phase::idle);  // a step an exception left open is not this process's any more
-    if (history_) cuda_record_memory_history(false);
+    if (history_ && device.is_cuda()) cuda_record_memory_history(false);
+    if (history_ && !device.is_cuda()) BudgetAllocator::install().record_history(0);
     if (origins_) probe->record_origins(false);
   } catch (...) {  // nothing here may throw out of a destructor
   }
@@ -37,10 +47,10 @@ Run::~Run() {
 MadeRun make_run(const RunConfig& cfg) {
   validate(cfg);
   const c10::Device device = resolve_device(cfg.device);
-  if (!cfg.memory_snapshot.empty() && !device.is_cuda()) {
+  if (!cfg.memory_snapshot.empty() && !device.is_cuda() && cfg.allocator != AllocatorKind::caching) {
     fail(
-        "--memory-snapshot needs --device cuda (it is PyTorch's CUDA allocator history); on cpu the metrics "
-        "JSONL has the per-phase memory");
+        "--memory-snapshot needs a caching allocator: --device cuda, or --allocator caching on cpu (the counting "
+        "allocator has no segments; its metrics JSONL has the per-phase memory)");
   }
   if (cfg.inject_oom && device.is_cuda())
     fail("--inject-oom works on --device cpu only (it uses the budget allocator)");

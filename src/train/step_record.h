@@ -18,6 +18,9 @@ struct StepRecord {
   double seconds = 0;
   int64_t peak_bytes = 0;
   int64_t live_bytes = 0;  // after the step
+  // A caching allocator's (cuda; cpu with --allocator caching): reserved after the step, the step's
+  // highest, and the most free bytes stranded inside split segments.
+  std::optional<int64_t> reserved_bytes, peak_reserved_bytes, peak_inactive_split_bytes;
   double lr = 0;
   double grad_norm = 0;
   int64_t batch = 0;  // micro-batch the step ran with

@@ -106,6 +106,9 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   r.tokens = run.config.batch * run.config.accum * run.config.seq;
   r.peak_bytes = r.memory.peak;
   r.live_bytes = run.probe->live_bytes();
+  r.reserved_bytes = r.memory.reserved;
+  r.peak_reserved_bytes = r.memory.peak_reserved;
+  r.peak_inactive_split_bytes = r.memory.peak_inactive_split;
   r.lr = run.schedule.at(step);
   r.grad_norm = g.outcome.grad_norm;
   r.batch = g.micro;
@@ -149,6 +152,7 @@ TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepReco
   int64_t tokens = 0;
   for (const StepRecord& r : steps) {
     s.peak_bytes = std::max(s.peak_bytes, r.peak_bytes);
+    if (r.peak_reserved_bytes) s.peak_reserved_bytes = std::max(s.peak_reserved_bytes.value_or(0), *r.peak_reserved_bytes);
     step_seconds += r.seconds;
     tokens += r.tokens;
   }
@@ -242,9 +246,9 @@ TrainResult train(const RunConfig& cfg) {
     }
   }
   result.summary = summarize(run, start, result.steps, seconds_since(started));
-  // On cuda the allocator's history, with the failure in it when there was one.
+  // The allocator's history, with the failure in it when there was one.
   if (!cfg.memory_snapshot.empty()) {
-    write_file_atomically(cfg.memory_snapshot, cuda_memory_snapshot_pickle(), "--memory-snapshot");
+    write_file_atomically(cfg.memory_snapshot, run.probe->snapshot_pickle(), "--memory-snapshot");
   }
   return result;
 }

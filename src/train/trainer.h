@@ -30,6 +30,7 @@ struct TrainSummary {
   double eval_loss = 0;     // NaN with --eval-rows 0
   double tokens_per_s = 0;  // over the steps this process ran
   int64_t peak_bytes = 0;   // over the steps this process ran
+  std::optional<int64_t> peak_reserved_bytes;  // caching allocators: reserved, over the same steps
   double seconds = 0;
   // The allocations made during the steps (after the first two) still alive when the run ended, by
   // site (cpu; cuda with RunConfig::leak_origins)
