@@ -28,7 +28,8 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
   auto config =
       bind_run_flags(cmd,
                      {"model", "set", "data", "batch", "accum", "seq", "seed", "device", "attention", "precision",
-                      "checkpointing", "optimizer", "memory-budget", "inject-leak", "threads", "json", "quiet"},
+                      "checkpointing", "optimizer", "memory-budget", "allocator", "allocator-conf", "inject-leak",
+                      "threads", "json", "quiet"},
                      doctor_default());
   auto report = std::make_shared<std::string>();
   cmd->add_option("--report", *report, "also write a self-contained HTML report (charts as inline SVG) to FILE");

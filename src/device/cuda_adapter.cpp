@@ -89,6 +89,11 @@ void cuda_set_allocator_settings(const std::string& settings) { c10::CachingAllo
 
 void cuda_empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
 
+std::shared_ptr<void> cuda_allocate_block(int64_t bytes) {
+  auto block = std::make_shared<c10::DataPtr>(c10::cuda::CUDACachingAllocator::get()->allocate(static_cast<size_t>(bytes)));
+  return {block->get(), [block](void*) mutable { block.reset(); }};
+}
+
 void cuda_record_memory_history(bool enabled) {
   if (enabled) {
     torch::cuda::_record_memory_history(std::string("all"), std::string("all"), "all", 100000);

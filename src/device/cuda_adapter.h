@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,9 @@ void cuda_set_memory_fraction(int device, double fraction);
 void cuda_set_allocator_settings(const std::string& settings);
 // Returns cached, unused blocks to the driver.
 void cuda_empty_cache();
+// A block of `bytes` from the caching allocator on the current device, returned when the last
+// handle goes (for replaying allocation traces through the real allocator).
+std::shared_ptr<void> cuda_allocate_block(int64_t bytes);
 
 // PyTorch's memory snapshot (the pickle pytorch.org/memory_viz opens): start recording allocation
 // history with stack traces, then take the snapshot.

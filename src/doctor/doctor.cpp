@@ -6,15 +6,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <map>
 
 #include "device/cuda_adapter.h"
 #include "device/device.h"
+#include "memory/allocator_config.h"
 #include "memory/oom_report.h"
 #include "plan/cost_model.h"
 #include "plan/levers.h"
 #include "plan/oom_advice.h"
 #include "train/static_graph.h"
+#include "train/step.h"
 #include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/error.h"
@@ -75,26 +78,78 @@ int64_t largest_fitting_micro(const ModelConfig& model, const RunConfig& cfg, in
   return 0;
 }
 
-// Lever 10 on cuda: one step on the warm cache, empty_cache(), one step again; what it returned to
-// the driver and what the cold step cost.
-LeverTrial empty_cache_trial(const RunConfig& reference, int device, int64_t budget) {
-  LeverTrial l{"empty-cache", "torch.cuda.empty_cache()", true, false, 0, 0, 0, ""};
-  const TrialRun warm = run_trial(reference, 1);
-  const CudaMemoryStats before = cuda_memory_stats(device);
-  const auto t0 = std::chrono::steady_clock::now();
-  cuda_empty_cache();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const CudaMemoryStats after = cuda_memory_stats(device);
-  const TrialRun cold = run_trial(reference, 1);
-  l.fits = cold.fits && cold.peak <= budget;
-  l.peak_bytes = cold.peak;
-  l.step_time_ratio = warm.fits && cold.fits ? cold.first_step_seconds / warm.first_step_seconds : 0;
-  l.note = fmt::format(
-      "returned {} of {} reserved to the driver in {:.1f} ms ({} still allocated); the step after it, timed "
-      "against one on the warm cache, reserves its blocks again; it lowers what the process holds between "
-      "steps, not the step's peak",
-      format_bytes(before.reserved_bytes - after.reserved_bytes), format_bytes(before.reserved_bytes), 1e3 * seconds,
-      format_bytes(after.allocated_bytes));
+// Lever 10 with a caching allocator (cuda, cpu caching), inside one run: two steps warm the cache,
+// empty_cache() returns what it can, and a third step shows what that cost: the blocks it reserves
+// again and its time against the warm step's.
+LeverTrial empty_cache_trial(const RunConfig& reference, int64_t budget) {
+  LeverTrial l{"empty-cache", "empty_cache()", true, false, 0, 0, 0, ""};
+  MadeRun made = make_run(as_trial(reference, 3));
+  if (!made.run) {
+    l.applies = false;
+    l.note = "not measured: the weights and optimizer state do not fit the budget";
+    return l;
+  }
+  Run& run = *made.run;
+  run.monitor->set_enabled(false);  // the allocator's own statistics measure it
+  using Clock = std::chrono::steady_clock;
+  auto sync = [&] {
+    if (run.device.is_cuda()) cuda_synchronize(run.device.index());
+  };
+  auto step = [&](int64_t i) {
+    sync();
+    const auto t0 = Clock::now();
+    StepOutcome out;
+    run_step(run, StepShape{i, reference.batch * reference.accum, reference.batch}, out);
+    sync();
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  try {
+    step(0);
+    const double warm = step(1);
+    const AllocatorState before = *run.probe->allocator_state();
+    const auto t0 = Clock::now();
+    run.probe->empty_cache();
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const AllocatorState after = *run.probe->allocator_state();
+    run.probe->reset_peak();
+    const double cold = step(2);
+    const AllocatorState end = *run.probe->allocator_state();
+    l.fits = end.peak_reserved <= budget;
+    l.peak_bytes = end.peak_reserved;
+    l.saving_bytes = before.reserved - after.reserved;
+    l.step_time_ratio = cold / warm;
+    l.note = fmt::format(
+        "returned {} of {} reserved in {:.1f} ms ({} still allocated); the step after it reserved up to {} again "
+        "(the peak shown is reserved bytes); it lowers what the process holds between steps, not the step's peak",
+        format_bytes(before.reserved - after.reserved), format_bytes(before.reserved), 1e3 * seconds,
+        format_bytes(after.allocated), format_bytes(end.peak_reserved));
+  } catch (const c10::OutOfMemoryError& e) {
+    l.note = "not measured: out of memory: " + first_line(e.what_without_backtrace());
+  }
+  return l;
+}
+
+// A caching allocator setting tried as a lever (lever 10): the configuration's step with it, its
+// peak reserved bytes against the configuration's own.
+LeverTrial allocator_setting_trial(const RunConfig& reference, const std::string& setting, int64_t reference_reserved,
+                                   int64_t budget, double reference_seconds) {
+  LeverTrial l{"allocator", setting, true, false, 0, 0, 0, ""};
+  RunConfig c = reference;
+  c.allocator_conf = reference.allocator_conf.empty() ? setting : reference.allocator_conf + "," + setting;
+  const TrialRun t = run_trial(c, 2);
+  if (reference.device.rfind("cuda", 0) == 0 || resolve_device(reference.device).is_cuda()) {
+    // Process-wide on cuda: back to the configuration's own settings for what follows.
+    cuda_set_allocator_settings(reference.allocator_conf.empty() ? "expandable_segments:False"
+                                                                 : reference.allocator_conf);
+  }
+  const int64_t reserved = t.result.summary.peak_reserved_bytes.value_or(t.peak);
+  l.fits = t.fits && reserved <= budget;
+  l.peak_bytes = reserved;
+  l.saving_bytes = reference_reserved > 0 ? reference_reserved - reserved : 0;
+  l.step_time_ratio = t.fits && reference_seconds > 0 ? t.first_step_seconds / reference_seconds : 0;
+  l.note = t.fits ? fmt::format("peak reserved {} against {} without it (the peak shown is reserved bytes)",
+                                format_bytes(reserved), format_bytes(reference_reserved))
+                  : fmt::format("out of memory: {}", t.oom.message);
   return l;
 }
 
@@ -247,6 +302,9 @@ class Diagnosis {
       report.advice = oom_advice(report, as_trial(cfg_, 3));
       r_.oom_text = report.to_text();
       r_.measured = base_.oom.breakdown;
+      // With a caching allocator the live bytes and the request may have fit: the segments did not.
+      fragmentation_oom_ = caching_ && !base_.oom.injected && base_.oom.requested > 0 &&
+                           base_.oom.in_use + base_.oom.requested <= budget_;
     } else if (!base_.result.steps.empty()) {
       reference_seconds_ = base_.first_step_seconds;  // a first step, as each lever trial's is
       r_.measured_whole_step = true;
@@ -333,16 +391,20 @@ class Diagnosis {
         r_.reference = "the configuration as given (from the leak check's steps)";
       }
     }
-    if (device_.is_cuda()) {
-      const CudaMemoryStats st = cuda_memory_stats(device_.index());
+    const auto with_reserved = std::find_if(leak_trial.result.steps.rbegin(), leak_trial.result.steps.rend(),
+                                            [](const StepRecord& rec) { return rec.peak_reserved_bytes.has_value(); });
+    if (with_reserved != leak_trial.result.steps.rend()) {
+      const StepRecord& rec = *with_reserved;
+      reference_reserved_ = *rec.peak_reserved_bytes;
+      r_.fragmentation = fmt::format(
+          "step {}: peak reserved {} vs peak allocated {}: {} held by the caching allocator beyond the live "
+          "bytes, up to {} of it free inside split segments (inactive split)",
+          rec.step, format_bytes(*rec.peak_reserved_bytes), format_bytes(rec.peak_bytes),
+          format_bytes(*rec.peak_reserved_bytes - rec.peak_bytes), format_bytes(rec.peak_inactive_split_bytes.value_or(0)));
+    } else if (!caching_) {
       r_.fragmentation =
-          fmt::format("reserved {} vs allocated {}: {} cached but unused ({} of it split inside live segments)",
-                      format_bytes(st.reserved_bytes), format_bytes(st.allocated_bytes),
-                      format_bytes(st.reserved_bytes - st.allocated_bytes), format_bytes(st.inactive_split_bytes));
-    } else {
-      r_.fragmentation =
-          "does not apply on cpu: the budget allocator hands memory straight back, there is no cache to "
-          "fragment (on cuda this compares reserved with allocated)";
+          "not measured: cpu's counting allocator hands memory straight back, there is no cache to fragment "
+          "(--allocator caching reproduces the CUDA caching allocator and measures it)";
     }
   }
 
@@ -397,22 +459,38 @@ class Diagnosis {
     }
   }
 
-  // Levers 10 and 7: measured on cuda, said not to apply on cpu.
+  // Levers 10 and 7: lever 10 measured with a caching allocator (cuda, cpu caching), lever 7 on cuda.
   void cuda_levers() {
+    const std::string at_reference =
+        reference_.batch == cfg_.batch ? "" : fmt::format(" (at the leak check's micro-batch {})", reference_.batch);
+    if (!caching_) {
+      r_.levers.push_back({"empty-cache", "empty_cache()", false, false, 0, 0, 0,
+                           "not measured: cpu's counting allocator keeps no cache (--allocator caching does)"});
+    } else {
+      say("3/5 lever: empty-cache, two steps on a warm cache, then one after emptying it");
+      LeverTrial empty = empty_cache_trial(reference_, budget_);
+      empty.note += at_reference;
+      r_.levers.push_back(empty);
+      const AllocatorConfig own = parse_allocator_config(
+          cfg_.allocator_conf.empty() ? allocator_config_from_environment() : cfg_.allocator_conf, "allocator settings");
+      std::vector<std::string> settings;
+      if (!own.expandable_segments) settings.push_back("expandable_segments:True");
+      // Fragmentation ended the configuration: oversize blocks kept whole is the other setting for it.
+      if (fragmentation_oom_ && own.max_split_size == std::numeric_limits<int64_t>::max()) {
+        settings.push_back("max_split_size_mb:128");
+      }
+      for (const std::string& setting : settings) {
+        say("3/5 lever: allocator " + setting);
+        LeverTrial t = allocator_setting_trial(reference_, setting, reference_reserved_, budget_, reference_seconds_);
+        t.note += at_reference;
+        r_.levers.push_back(t);
+      }
+    }
     if (!device_.is_cuda()) {
-      r_.levers.push_back({"empty-cache", "torch.cuda.empty_cache()", false, false, 0, 0, 0,
-                           "does not apply on cpu: there is no cache to empty"});
       r_.levers.push_back({"static graph", "CUDA graphs", false, false, 0, 0, 0,
                            "does not apply on cpu: CUDA graphs capture GPU kernel launches"});
       return;
     }
-    const std::string at_reference =
-        reference_.batch == cfg_.batch ? "" : fmt::format(" (at the leak check's micro-batch {})", reference_.batch);
-    say("3/5 lever: empty-cache, a step on the warm cache and one after emptying it");
-    LeverTrial empty = empty_cache_trial(reference_, device_.index(), budget_);
-    empty.saving_bytes = r_.measured_peak - empty.peak_bytes;
-    empty.note += at_reference;
-    r_.levers.push_back(empty);
     say("3/5 lever: static graph, eager steps then the step captured as a CUDA graph and replayed");
     LeverTrial graphed = static_graph_trial(reference_, budget_);
     graphed.note += at_reference;
@@ -491,6 +569,9 @@ class Diagnosis {
   const int64_t budget_;
   const std::function<void(const std::string&)>& progress_;
   const at::Device device_;
+  const bool caching_ = device_.is_cuda() || given_.allocator == AllocatorKind::caching;
+  int64_t reference_reserved_ = 0;  // peak reserved of the leak check's last step (caching allocators)
+  bool fragmentation_oom_ = false;  // the configuration ran out of segments, not of live bytes
   const ModelConfig model_;
   const bool predict_first_, free_trials_;
   RunConfig cfg_;        // as given, with the budget
@@ -636,6 +717,8 @@ std::string DoctorReport::to_text() const {
     std::string flags;
     for (const auto& o : config.overrides) flags += " --set " + o;
     if (!config.data.empty()) flags += " --data " + config.data;
+    if (config.allocator == AllocatorKind::caching) flags += " --allocator caching";
+    if (!config.allocator_conf.empty()) flags += " --allocator-conf " + config.allocator_conf;
     out += fmt::format(
         "   run it: headroom train --model {}{} --device {} --seed {} --seq {} --batch {} --accum {} "
         "--precision {} --checkpointing {} --attention {} --optimizer {} --memory-budget {}\n",

@@ -27,6 +27,7 @@ using sim::Tensor;
 
 constexpr int64_t kCpuRngStateBytes = 5056;  // at::CPUGeneratorImpl state as a byte tensor
 constexpr int64_t kCudaRngStateBytes = 16;   // Philox seed and offset
+constexpr int64_t kCublasWorkspaceBytes = int64_t{4096} * 1024 * 8;
 
 using sim::AttentionShape;
 using sim::Param;
@@ -81,6 +82,7 @@ class StepSim : sim::Ops {
   std::map<std::string, Param> params_;
   std::vector<std::string> order_;  // parameter names in registration order
   Ref dataset_, dataset_eval_;
+  Ref workspace_;  // cuda: cuBLAS's
   std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
 };
 
@@ -244,6 +246,14 @@ void StepSim::micro_batch(int64_t rows) {
   Tensor loss;
   {
     mem_.set_phase(Phase::forward);
+    if (s_.cuda && !workspace_) {
+      // cuBLAS takes its workspace from the caching allocator at the first matmul and keeps it:
+      // 4096 KiB x 8 on sm90 and newer (PyTorch's default CUBLAS_WORKSPACE_CONFIG there; cuBLASLt shares it).
+      workspace_ = mem_.allocate(kCublasWorkspaceBytes,
+                                 mem_.label("cuBLAS workspace", Category::allocator,
+                                            "4096 KiB x 8 (sm90+ default of CUBLAS_WORKSPACE_CONFIG), from the "
+                                            "caching allocator at the first matmul; 8.1 MiB on older GPUs"));
+    }
     std::map<const Param*, Tensor> cache;
     cache_ = &cache;
     loss = token_loss(forward(rows), tokens, vocab, batch_lbl, loss_lbl);
@@ -364,6 +374,7 @@ Estimate StepSim::run() {
   for (auto& [name, prm] : params_) prm.t.slot->grad.reset();
 
   Estimate e;
+  e.cuda = s_.cuda;
   e.model = c_.name;
   e.params = count_parameters(c_);
   const auto& peak = mem_.peak();
@@ -409,6 +420,19 @@ nlohmann::json Estimate::to_json() const {
   nlohmann::json phases = nlohmann::json::object();
   for (Phase p : kStepPhases) phases[std::string(phase_name(p))] = phase_peaks[static_cast<size_t>(p)];
   j["phases"] = phases;
+  if (cuda) {
+    // What nvidia-smi shows beyond PyTorch's reserved memory: not predicted, named with its source.
+    j["outside_reserved"] = nlohmann::json::array(
+        {{{"name", "CUDA context"},
+          {"bytes", nullptr},
+          {"source", "the driver's per-process context and loaded kernels (lazily, CUDA_MODULE_LOADING=LAZY); "
+                     "device- and driver-specific: nvidia-smi's used memory minus torch.cuda.memory_reserved() "
+                     "(scripts/gpu-check prints it)"}},
+         {{"name", "cuBLAS/cuBLASLt workspaces"},
+          {"bytes", 0},
+          {"source", "inside reserved: PyTorch allocates them through the caching allocator (the cuBLAS "
+                     "workspace item above)"}}});
+  }
   if (reserved) {
     j["peak_reserved_bytes"] = reserved->peak_reserved;
     j["reserved"] = {{"peak_reserved_bytes", reserved->peak_reserved},
@@ -428,7 +452,17 @@ std::string Estimate::table() const {
                        i.formula);
   }
   out += fmt::format("{:<26} {:>11} {:>6}  in {}\n", "peak", format_bytes(peak_bytes), "100%", phase_name(peak_phase));
-  if (reserved) {
+  if (cuda) {
+    out += fmt::format("{:<26} {:>11} {:>6}  {}\n", "outside reserved", "-", "",
+                       "the CUDA context (driver and kernels; device-specific, not predicted): nvidia-smi shows it "
+                       "on top of reserved");
+  }
+  if (reserved && reserved->oom) {
+    out += fmt::format("{:<26} {:>11} {:>6}  caching allocator: out of segments under the budget, with this much "
+                       "reserved ({} of it free inside split segments at most)\n",
+                       "reserved at the failure", format_bytes(reserved->peak_reserved), "",
+                       format_bytes(reserved->peak_inactive_split));
+  } else if (reserved) {
     out += fmt::format("{:<26} {:>11} {:>6}  caching allocator: segments held, {} above the peak (of which {} free "
                        "inside split segments at most)\n",
                        "peak reserved", format_bytes(reserved->peak_reserved), "",

@@ -70,6 +70,7 @@ struct Estimate {
 
   // With a caching allocator: two steps replayed through its policy (reserved, fragmentation).
   std::optional<ReservedReplay> reserved;
+  bool cuda = false;  // predicted for a card (the output names what lies outside reserved memory)
 
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
   // What the trainer's monitor counts as activations: everything but weights, gradients, optimizer

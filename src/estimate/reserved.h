@@ -17,6 +17,7 @@
 
 namespace headroom {
 
+// With `oom`, the figures are up to the failure.
 struct ReservedReplay {
   int64_t peak_reserved = 0;
   int64_t peak_allocated = 0;       // at block size (512-byte multiples and whole unsplit blocks)

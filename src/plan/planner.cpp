@@ -55,8 +55,11 @@ PlanResult fitting_plans(const PlanRequest& r) {
   if (r.global_batch < 1) fail("--global-batch must be positive, got {}", r.global_batch);
   if (r.budget <= 0) fail("the planner needs a memory budget (--memory-budget SIZE)");
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
-  const TrainSpec base_spec = train_spec(r.base);
+  TrainSpec base_spec = train_spec(r.base);
   const double limit = static_cast<double>(r.budget) * (1.0 - r.margin);
+  // A caching allocator (cuda, cpu caching) fails on reserved bytes: the step is replayed through
+  // its policy under the same limit, and a plan whose segments would not fit is left out.
+  if (base_spec.caching) base_spec.budget = static_cast<int64_t>(limit);
   PlanResult out;
   out.smallest_peak = -1;
   for (int64_t micro : micro_batches(r.global_batch)) {
@@ -71,14 +74,16 @@ PlanResult fitting_plans(const PlanRequest& r) {
             spec.checkpointing = checkpointing;
             spec.attention = attention;
             spec.optimizer = optimizer;
-            const int64_t peak = estimate(model, spec).peak_bytes;
+            const Estimate e = estimate(model, spec);
+            const int64_t peak = e.peak_bytes;
+            const bool segments_fit = !(e.reserved && e.reserved->oom);
             ++out.considered;
             const Plan p{micro, spec.accum, precision, checkpointing, optimizer, attention, peak};
             if (out.smallest_peak < 0 || peak < out.smallest_peak) {
               out.smallest_peak = peak;
               out.smallest_peak_plan = p.describe();
             }
-            if (static_cast<double>(peak) <= limit) out.plans.push_back(p);
+            if (static_cast<double>(peak) <= limit && segments_fit) out.plans.push_back(p);
           }
         }
       }
