@@ -53,8 +53,9 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
         if (budget) {
           if (e.reserved && e.reserved->oom && e.peak_bytes <= *budget) {
             fmt::print("\ndoes NOT fit the budget of {}: live bytes would, but the caching allocator's segments "
-                       "would not (fragmentation); try --allocator-conf expandable_segments:True\n",
-                       format_bytes(*budget));
+                       "would not (fragmentation){}\n",
+                       format_bytes(*budget),
+                       spec.caching->expandable_segments ? "" : "; try --allocator-conf expandable_segments:True");
           } else {
             const int64_t used = e.reserved ? std::max(e.peak_bytes, e.reserved->peak_reserved) : e.peak_bytes;
             fmt::print("\n{} the budget of {} ({} {})\n", fits ? "fits" : "does NOT fit", format_bytes(*budget),

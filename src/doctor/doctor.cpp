@@ -134,13 +134,14 @@ LeverTrial empty_cache_trial(const RunConfig& reference, int64_t budget) {
 LeverTrial allocator_setting_trial(const RunConfig& reference, const std::string& setting, int64_t reference_reserved,
                                    int64_t budget, double reference_seconds) {
   LeverTrial l{"allocator", setting, true, false, 0, 0, 0, ""};
+  // On top of the configuration's own settings (the flag's, else the environment's).
+  const std::string own = reference.allocator_conf.empty() ? allocator_config_from_environment() : reference.allocator_conf;
   RunConfig c = reference;
-  c.allocator_conf = reference.allocator_conf.empty() ? setting : reference.allocator_conf + "," + setting;
+  c.allocator_conf = own.empty() ? setting : own + "," + setting;
   const TrialRun t = run_trial(c, 2);
-  if (reference.device.rfind("cuda", 0) == 0 || resolve_device(reference.device).is_cuda()) {
+  if (resolve_device(reference.device).is_cuda()) {
     // Process-wide on cuda: back to the configuration's own settings for what follows.
-    cuda_set_allocator_settings(reference.allocator_conf.empty() ? "expandable_segments:False"
-                                                                 : reference.allocator_conf);
+    cuda_set_allocator_settings(own.empty() ? "expandable_segments:False" : own);
   }
   const int64_t reserved = t.result.summary.peak_reserved_bytes.value_or(t.peak);
   l.fits = t.fits && reserved <= budget;
@@ -718,7 +719,7 @@ std::string DoctorReport::to_text() const {
     for (const auto& o : config.overrides) flags += " --set " + o;
     if (!config.data.empty()) flags += " --data " + config.data;
     if (config.allocator == AllocatorKind::caching) flags += " --allocator caching";
-    if (!config.allocator_conf.empty()) flags += " --allocator-conf " + config.allocator_conf;
+    if (!config.allocator_conf.empty()) flags += " --allocator-conf '" + config.allocator_conf + "'";
     out += fmt::format(
         "   run it: headroom train --model {}{} --device {} --seed {} --seq {} --batch {} --accum {} "
         "--precision {} --checkpointing {} --attention {} --optimizer {} --memory-budget {}\n",

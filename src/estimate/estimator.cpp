@@ -246,14 +246,6 @@ void StepSim::micro_batch(int64_t rows) {
   Tensor loss;
   {
     mem_.set_phase(Phase::forward);
-    if (s_.cuda && !workspace_) {
-      // cuBLAS takes its workspace from the caching allocator at the first matmul and keeps it:
-      // 4096 KiB x 8 on sm90 and newer (PyTorch's default CUBLAS_WORKSPACE_CONFIG there; cuBLASLt shares it).
-      workspace_ = mem_.allocate(kCublasWorkspaceBytes,
-                                 mem_.label("cuBLAS workspace", Category::allocator,
-                                            "4096 KiB x 8 (sm90+ default of CUBLAS_WORKSPACE_CONFIG), from the "
-                                            "caching allocator at the first matmul; 8.1 MiB on older GPUs"));
-    }
     std::map<const Param*, Tensor> cache;
     cache_ = &cache;
     loss = token_loss(forward(rows), tokens, vocab, batch_lbl, loss_lbl);
@@ -339,6 +331,15 @@ Estimate StepSim::run() {
     }
   }
 
+  if (s_.cuda) {
+    // cuBLAS takes its workspace from the caching allocator at the first matmul and keeps it:
+    // 4096 KiB x 8 on sm90 and newer (PyTorch's default CUBLAS_WORKSPACE_CONFIG there; cuBLASLt
+    // shares it). Made here, before the step, so that a replayed second step does not make another.
+    workspace_ = mem_.allocate(kCublasWorkspaceBytes,
+                               mem_.label("cuBLAS workspace", Category::allocator,
+                                          "4096 KiB x 8 (sm90+ default of CUBLAS_WORKSPACE_CONFIG), from the "
+                                          "caching allocator at the first matmul; 8.1 MiB on older GPUs"));
+  }
   const size_t step_begin = mem_.events().size();
   micro_batch(s_.batch);
   if (s_.accum > 1) micro_batch(s_.batch);  // the second sees the first's gradients
@@ -506,7 +507,8 @@ TrainSpec train_spec(const RunConfig& cfg) {
   s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);
   if (s.cuda || cfg.allocator == AllocatorKind::caching) {
     const std::string settings = cfg.allocator_conf.empty() ? allocator_config_from_environment() : cfg.allocator_conf;
-    s.caching = parse_allocator_config(settings, cfg.allocator_conf.empty() ? "PYTORCH_CUDA_ALLOC_CONF" : "--allocator-conf");
+    s.caching = parse_allocator_config(
+        settings, cfg.allocator_conf.empty() ? "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF" : "--allocator-conf");
     s.budget = cfg.memory_budget;
   }
   return s;

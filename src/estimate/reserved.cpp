@@ -15,7 +15,8 @@ ReservedReplay replay_reserved(const std::vector<sim::Memory::Event>& events, si
     for (size_t i = from; i < to && !r.oom; ++i) {
       const sim::Memory::Event& e = events[i];
       if (e.allocated) {
-        if (e.bytes == 0) continue;  // zero-byte tensors take no block
+        // Zero-byte tensors take no block; a buffer the step keeps (not freed in it) is made once.
+        if (e.bytes == 0 || address.count(e.id) != 0) continue;
         const auto a = policy.allocate(e.bytes);
         if (!a) {
           r.oom = true;

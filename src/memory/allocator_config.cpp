@@ -53,8 +53,8 @@ int64_t parse_count(const std::string& key, const std::string& value, const std:
 }
 
 bool parse_bool(const std::string& key, const std::string& value, const std::string& source) {
-  if (value == "True" || value == "true") return true;
-  if (value == "False" || value == "false") return false;
+  if (value == "True") return true;
+  if (value == "False") return false;
   fail("{}: {} '{}': accepted: True or False", source, key, value);
 }
 
@@ -70,7 +70,7 @@ int64_t parse_divisions(const std::string& value, const std::string& source) {
 // ">" covers the rest. Intervals below the first key take its divisions, as PyTorch does.
 void parse_divisions_list(AllocatorConfig& c, const std::string& value, const std::string& source) {
   const std::string inner = value.substr(1, value.size() - 2);
-  int last = -1;
+  int last = 0;  // as PyTorch starts it: a leading ">" fills from the second interval
   bool first = true;
   for (const std::string& item : split_top(inner, ',', source)) {
     const auto colon = item.find(':');
@@ -115,14 +115,20 @@ std::string AllocatorConfig::text() const {
   if (max_non_split_rounding_size != kLargeBufferMiB * kMiB) {
     parts.push_back(fmt::format("max_non_split_rounding_mb:{}", max_non_split_rounding_size / kMiB));
   }
-  bool any_divisions = false;
-  for (int64_t d : roundup_power2_divisions) any_divisions |= d != 0;
-  if (any_divisions) {
+  const auto& d = roundup_power2_divisions;
+  const bool uniform = std::all_of(d.begin(), d.end(), [&](int64_t v) { return v == d[0]; });
+  if (uniform && d[0] != 0) {
+    parts.push_back(fmt::format("roundup_power2_divisions:{}", d[0]));
+  } else if (!uniform) {
+    // In PyTorch's list, a key (an interval's size in MiB) sets its own interval, the first key also
+    // every one below it, and ">" every one after the last key: the first run by its last interval,
+    // the middle intervals one by one, the last run by its first interval and ">".
     std::vector<std::string> items;
-    for (int i = 0; i < kRoundupIntervals; ++i) {
-      if (i > 0 && roundup_power2_divisions[i] == roundup_power2_divisions[i - 1]) continue;
-      items.push_back(fmt::format("{}:{}", int64_t{1} << i, roundup_power2_divisions[i]));
-    }
+    int first_end = 0, last_start = kRoundupIntervals - 1;
+    while (first_end + 1 < kRoundupIntervals && d[first_end + 1] == d[0]) ++first_end;
+    while (last_start > 0 && d[last_start - 1] == d[kRoundupIntervals - 1]) --last_start;
+    for (int i = first_end; i <= last_start; ++i) items.push_back(fmt::format("{}:{}", int64_t{1} << i, d[i]));
+    if (last_start < kRoundupIntervals - 1) items.push_back(fmt::format(">:{}", d[last_start]));
     parts.push_back(fmt::format("roundup_power2_divisions:[{}]", fmt::join(items, ",")));
   }
   if (garbage_collection_threshold > 0) parts.push_back(fmt::format("garbage_collection_threshold:{}", garbage_collection_threshold));

@@ -106,14 +106,17 @@ void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool inje
         caching->device_refused || caching->limit < 0
             ? "the machine's memory"
             : fmt::format("headroom budget {}", format_bytes(caching->limit));
+    const std::string what = caching->expandable ? "pages to map"
+                                                 : fmt::format("a new {} segment", format_bytes(caching->segment_bytes));
+    const std::string advice =
+        caching->expandable ? ""
+                            : " If reserved but unallocated memory is large try --allocator-conf expandable_segments:True "
+                              "(PYTORCH_CUDA_ALLOC_CONF on cuda) to avoid fragmentation.";
     C10_THROW_ERROR(OutOfMemoryError,
-                    fmt::format("CPU out of memory ({}, caching allocator){}. Tried to allocate {} (a new {} "
-                                "segment). {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. "
-                                "If reserved but unallocated memory is large try setting "
-                                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.",
-                                cause, where, format_bytes(caching->rounded), format_bytes(caching->segment_bytes),
-                                format_bytes(caching->allocated),
-                                format_bytes(std::max<int64_t>(0, caching->reserved - caching->allocated))));
+                    fmt::format("CPU out of memory ({}, caching allocator){}. Tried to allocate {} ({}). {} is "
+                                "allocated by PyTorch, and {} is reserved by PyTorch but unallocated.{}",
+                                cause, where, format_bytes(caching->rounded), what, format_bytes(caching->allocated),
+                                format_bytes(std::max<int64_t>(0, caching->reserved - caching->allocated)), advice));
   }
   if (cap < 0) {
     C10_THROW_ERROR(OutOfMemoryError,
@@ -151,7 +154,9 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   if (above >= 0 && n > above && fail_above_.compare_exchange_strong(above, -1)) {
     refuse(n, live_bytes(), budget_.load(), /*injected=*/true);
   }
-  if (caching_.load(std::memory_order_relaxed) && n > 0) return allocate_cached(n);
+  if (caching_.load(std::memory_order_relaxed) && n > 0) {
+    if (auto cached = allocate_cached(n)) return std::move(*cached);  // else switched back to counting meanwhile
+  }
   // Reserve the bytes before allocating, so that concurrent allocations cannot together pass the
   // budget; give them back if the allocation does not happen.
   const int64_t cap = budget_.load(std::memory_order_relaxed);
@@ -198,7 +203,7 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
 }
 
-c10::DataPtr BudgetAllocator::allocate_cached(int64_t n) {
+std::optional<c10::DataPtr> BudgetAllocator::allocate_cached(int64_t n) {
   AllocationRecord rec;
   rec.bytes = n;
   rec.step = step_.load(std::memory_order_relaxed);
@@ -208,7 +213,7 @@ c10::DataPtr BudgetAllocator::allocate_cached(int64_t n) {
   void* ptr = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(heap_ != nullptr, "BudgetAllocator: caching without a heap");
+    if (heap_ == nullptr) return std::nullopt;
     ptr = heap_->allocate(n);
     if (ptr == nullptr) {
       refused = heap_->policy().last_oom();
@@ -219,7 +224,7 @@ c10::DataPtr BudgetAllocator::allocate_cached(int64_t n) {
     }
   }
   if (ptr == nullptr) refuse(n, live_bytes(), budget_.load(), /*injected=*/false, refused);
-  return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
+  return c10::DataPtr(ptr, ptr, &release, c10::Device(c10::DeviceType::CPU));
 }
 
 void BudgetAllocator::release(void* ptr) {

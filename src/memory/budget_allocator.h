@@ -154,7 +154,7 @@ class BudgetAllocator final : public c10::Allocator {
   void on_free(void* ptr);
   [[noreturn]] void refuse(int64_t bytes, int64_t live, int64_t cap, bool injected,
                            std::optional<CachingOom> caching = std::nullopt);
-  c10::DataPtr allocate_cached(int64_t bytes);
+  std::optional<c10::DataPtr> allocate_cached(int64_t bytes);  // nullopt: no heap (caching just switched off)
   void observe(const TraceEvent& e);  // under mutex_
   void record(void* ptr, AllocationRecord rec);  // under mutex_: the record, count, histogram, peak
 

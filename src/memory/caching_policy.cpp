@@ -199,9 +199,10 @@ std::optional<uint64_t> CachingPolicy::allocate(int64_t bytes, int stream) {
     oom.reserved = stats_.reserved_bytes.current;
     oom.limit = limit_.value_or(-1);
     oom.device_refused = r.device_refused;
+    oom.expandable = config_.expandable_segments;
     last_oom_ = oom;
     // As the reference records it: the request's size, and where the address goes, the free bytes.
-    emit(TraceAction::oom, limit_ ? static_cast<uint64_t>(std::max<int64_t>(0, *limit_ - total_reserved_)) : 0, bytes,
+    emit(TraceAction::oom, limit_ ? static_cast<uint64_t>(std::max<int64_t>(0, *limit_ - total_reserved_)) : 0, r.size,
          stream);
     return std::nullopt;
   }
@@ -225,6 +226,12 @@ bool CachingPolicy::get_free_block(Request& r) {
            growable(*next) < growable(*it)) {
       it = next++;
     }
+  } else if ((*it)->expandable != nullptr) {
+    // Expandable segments switched off after some were made: only fixed blocks serve from now on.
+    do {
+      ++it;
+    } while (it != pool.blocks.end() && (*it)->expandable != nullptr && (*it)->stream == r.stream);
+    if (it == pool.blocks.end() || (*it)->stream != r.stream) return false;
   }
   // An oversize block serves neither a smaller request nor one much smaller than itself.
   if (r.size < config_.max_split_size && (*it)->size >= config_.max_split_size) return false;
@@ -564,12 +571,19 @@ CachingPolicy::Block* CachingPolicy::try_allocate_expandable(Request& r) {
     r.device_refused = true;
     return nullptr;
   }
-  // Either unmapped address space, or a free mapped block followed by it.
-  if (!c->mapped && !map_block(c, std::min(c->size, r.size))) return nullptr;
+  // Either unmapped address space, or a free mapped block followed by it. A page the source cannot
+  // map is the machine's memory running out (the cap was checked before).
+  if (!c->mapped && !map_block(c, std::min(c->size, r.size))) {
+    r.device_refused = true;
+    return nullptr;
+  }
   while (c->size < r.size) {
     const int64_t missing = r.size - c->size;
     Block* unmapped = c->next;
-    if (!map_block(unmapped, std::min(missing, unmapped->size))) return nullptr;
+    if (!map_block(unmapped, std::min(missing, unmapped->size))) {
+      r.device_refused = true;
+      return nullptr;
+    }
     c = unmapped;  // it took in the mapped block before it
   }
   r.pool->blocks.erase(c);

@@ -123,6 +123,7 @@ struct CachingOom {
   int64_t reserved = 0;
   int64_t limit = -1;  // -1: none
   bool device_refused = false;  // the source had no memory, rather than the cap being reached
+  bool expandable = false;      // expandable segments were on
 };
 
 class CachingPolicy {
@@ -137,7 +138,8 @@ class CachingPolicy {
 
   struct Block;
 
-  // A block of at least `bytes` (0 is served as 512, as on cuda), or nullopt when out of memory
+  // A block of at least `bytes` (a 0-byte request gets a 512-byte block; callers that follow
+  // PyTorch pass none, as its allocator hands out no block for 0 bytes), or nullopt when out of memory
   // (last_oom() says why). The address stays valid until free().
   std::optional<uint64_t> allocate(int64_t bytes, int stream = 0);
   // The size of the block at `address` (an allocated one; checks).

@@ -87,7 +87,7 @@ TEST(CachingPolicy, LargeBlocksSplitOnlyWhenMoreThanOneMiBRemains) {
   EXPECT_EQ(p.stats().allocated_bytes.current, 5 * MiB);
   EXPECT_EQ(p.stats().inactive_split_bytes.current, 15 * MiB);
   EXPECT_EQ(p.stats().inactive_split.current, 1);
-  // 14 MiB + 512 from the 15 MiB block: 512 KiB - 512 would remain, not more than 1 MiB: not split.
+  // 14 MiB + 512 from the 15 MiB block: 1 MiB - 512 would remain, not more than 1 MiB: not split.
   p.allocate(14 * MiB + 512);
   EXPECT_EQ(p.stats().allocated_bytes.current, 20 * MiB);
   EXPECT_EQ(p.stats().inactive_split_bytes.current, 0);
@@ -214,8 +214,10 @@ TEST(CachingPolicy, ExpandableSegmentsReturnFreePagesSoSplitTailsDoNotStrandMemo
   EXPECT_EQ(fixed.stats().reserved_bytes.current, 50 * MiB);
   EXPECT_EQ(fixed.stats().inactive_split_bytes.current, 30 * MiB);
   // Expandable: 50 MiB maps three 20 MiB pages (60). Freed, 20 MiB is cut from the front, leaving
-  // [20, 60) free. 60 MiB: the free block grows into the unmapped space after it by one page:
-  // [20, 80), 80 MiB mapped in all, under the cap.
+  // [20, 60) free. 60 MiB: no free block is large enough, and the cap check on its segment size
+  // fails (60 reserved + 60 > 100), so the cache is released — the two whole free pages [20, 60)
+  // are unmapped, which fixed segments could not do with a live block in them — and the retry maps
+  // [20, 80): 80 MiB in all, under the cap.
   CachingPolicy grow(conf("expandable_segments:True"), 100 * MiB);
   const auto a = grow.allocate(50 * MiB);
   EXPECT_EQ(grow.stats().reserved_bytes.current, 60 * MiB);
@@ -226,6 +228,8 @@ TEST(CachingPolicy, ExpandableSegmentsReturnFreePagesSoSplitTailsDoNotStrandMemo
   ASSERT_TRUE(c);
   EXPECT_EQ(*c, *a + 20 * MiB);
   EXPECT_EQ(grow.stats().reserved_bytes.current, 80 * MiB);
+  EXPECT_EQ(grow.stats().num_alloc_retries, 1);
+  EXPECT_EQ(grow.stats().num_device_free, 1);  // the one unmapping of [20, 60)
   EXPECT_EQ(grow.stats().inactive_split_bytes.current, 0);  // not counted for expandable segments
   // empty_cache unmaps whole free pages only: after freeing c, [20, 80) is free: three pages.
   grow.free(*c);
@@ -277,8 +281,19 @@ TEST(AllocatorConfig, ParsesPyTorchsSyntaxAndRefusesWhatItDoesNot) {
   EXPECT_EQ(conf("").max_split_size, std::numeric_limits<int64_t>::max());
   EXPECT_EQ(conf("backend:native,release_lock_on_cudamalloc:True").ignored.size(), 1u);
   EXPECT_EQ(parse_allocator_config(c.text(), "text").text(), c.text());
+  // Divisions survive the round trip: the same rounding after it.
+  for (const char* text : {"roundup_power2_divisions:4", "roundup_power2_divisions:[256:1,512:2,>:8]",
+                           "roundup_power2_divisions:[256:1,512:2,1024:8]"}) {
+    const AllocatorConfig d = conf(text);
+    const AllocatorConfig back = parse_allocator_config(d.text(), "text");
+    EXPECT_EQ(back.roundup_power2_divisions, d.roundup_power2_divisions) << text << " -> " << d.text();
+  }
+  // A leading ">" fills from the second interval, as PyTorch's parser does: below 2 MiB, none.
+  EXPECT_EQ(conf("roundup_power2_divisions:[>:4]").roundup_power2_divisions[0], 0);
+  EXPECT_EQ(conf("roundup_power2_divisions:[>:4]").roundup_power2_divisions[1], 4);
   for (const char* bad : {"max_split_size_mb:19", "garbage_collection_threshold:1.5", "expandable_segments:yes",
                           "roundup_power2_divisions:3", "roundup_power2_divisions:[256:1", "colour:blue",
+                          "expandable_segments:true",
                           "backend:cudaMallocAsync", "max_split_size_mb", "roundup_power2_divisions:[300:2]"}) {
     EXPECT_THROW(conf(bad), Error) << bad;
   }

@@ -113,6 +113,33 @@ TEST(CachingRun, ASnapshotNeedsACachingAllocator) {
   EXPECT_THROW(train(cfg), Error);
 }
 
+// The OOM guard's cache policy (memory/cache_policy.h) on cpu, on the demonstration below: the live
+// bytes and the request fit the budget, so the guard first runs the same micro-batch again in
+// expandable segments; here the earlier segments stay split, so it then halves the micro-batch.
+// An injected fault says nothing about segments: the guard halves at once.
+TEST(CachingRun, TheGuardTriesExpandableSegmentsWhenTheSegmentsNotTheBytesRanOut) {
+  RunConfig cfg = tiny_caching(1);
+  cfg.model = "gpt2";
+  cfg.overrides = {"n_layer=2"};
+  cfg.batch = 2;
+  cfg.seq = 32;
+  cfg.quiet = false;
+  cfg.memory_budget = 1'198'000'000;
+  ::testing::internal::CaptureStderr();
+  train(cfg);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, ::testing::HasSubstr("fit the 1.12 GiB cap; the allocator's segments"));
+  EXPECT_THAT(err, ::testing::HasSubstr("expandable segments on, same micro-batch again"));
+
+  RunConfig injected = tiny_caching(1);
+  injected.batch = 8;
+  injected.memory_budget = int64_t{1} << 30;
+  injected.inject_oom = parse_oom_injection("1:above:1MiB");
+  const TrainResult r = train(injected);
+  ASSERT_FALSE(r.oom);
+  EXPECT_EQ(r.steps[0].batch, 4);
+}
+
 // The fragmentation demonstration (README): gpt2's widths at two layers, under a budget its live
 // bytes fit (1,165,859,794 at the peak: 2.7% to spare) but fixed segments do not — the embedding's
 // 147 MiB gradient needs a new segment while 30-odd MiB sit free inside split ones. With expandable

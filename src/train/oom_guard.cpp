@@ -86,8 +86,9 @@ GuardedStep OomGuard::run(int64_t step) {
       // A caching allocator's state, before the failed step's gradients are released (its activations
       // went with the unwound stack: the cpu allocator's own record has the figures at the failure).
       std::optional<CacheState> cache;
-      if (const auto st = run_.probe->allocator_state()) {
-        const auto event = run_.probe->last_oom();
+      const auto event = run_.probe->last_oom();
+      // An injected fault says nothing about the allocator's segments.
+      if (const auto st = run_.probe->allocator_state(); st && !(event && event->injected)) {
         cache = CacheState{st->allocated, st->reserved, st->inactive_split,
                            event ? event->requested : requested_bytes_of(e.what_without_backtrace()),
                            st->expandable_segments, run_.probe->budget().value_or(-1)};

@@ -47,6 +47,9 @@ Run::~Run() {
 MadeRun make_run(const RunConfig& cfg) {
   validate(cfg);
   const c10::Device device = resolve_device(cfg.device);
+  if (cfg.allocator == AllocatorKind::caching && !device.is_cuda() && cfg.allocator_conf.empty()) {
+    parse_allocator_config(allocator_config_from_environment(), "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF");
+  }
   if (!cfg.memory_snapshot.empty() && !device.is_cuda() && cfg.allocator != AllocatorKind::caching) {
     fail(
         "--memory-snapshot needs a caching allocator: --device cuda, or --allocator caching on cpu (the counting "
