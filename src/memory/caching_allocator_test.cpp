@@ -8,6 +8,7 @@
 #include <random>
 #include <unordered_map>
 
+#include "estimate/reserved.h"
 #include "memory/budget_allocator.h"
 
 namespace headroom {
@@ -98,9 +99,10 @@ TEST(CachingAllocator, BlocksOfAnEarlierHeapStayValidAfterASwitch) {
   x.reset();  // the retired heap's last block: it goes now
 }
 
-// The allocator's own history, replayed through a separate policy: the same requests and frees in
-// the same order must give the same segments — the property the estimator's prediction rests on.
-TEST(CachingAllocator, ReplayingItsHistoryGivesTheSamePeakReservedExactly) {
+// The allocator's own history, replayed by the estimator's replay (estimate/reserved.h) as the
+// estimator's allocation sequence: the same requests and frees in the same order give the same
+// segments exactly — the property the estimator's prediction of reserved bytes rests on.
+TEST(CachingAllocator, TheEstimatorsReplayOfItsHistoryGivesTheSamePeakReservedExactly) {
   CachingScope s;
   s.a.record_history(1'000'000);
   std::mt19937 rng(7);
@@ -113,24 +115,23 @@ TEST(CachingAllocator, ReplayingItsHistoryGivesTheSamePeakReservedExactly) {
   }
   live.clear();
   const CachingStats measured = *s.a.caching_stats();
-  CachingPolicy replay;
-  std::unordered_map<uint64_t, uint64_t> address;  // history's address -> replay's
-  int allocs = 0;
+  std::vector<sim::Memory::Event> events;
+  std::unordered_map<uint64_t, int> id_of;  // the history's address -> a buffer id, as the sim numbers them
   for (const HistoryEntry& h : s.a.history()) {
     if (h.event.action == TraceAction::alloc) {
-      address[h.event.address] = *replay.allocate(h.event.size);
-      ++allocs;
+      id_of[h.event.address] = static_cast<int>(events.size());
+      events.push_back({static_cast<int>(events.size()), h.event.size, true});
     } else if (h.event.action == TraceAction::free_requested) {
-      replay.free(address.at(h.event.address));
-      address.erase(h.event.address);
+      events.push_back({id_of.at(h.event.address), 0, false});
     }
   }
-  EXPECT_EQ(allocs, 600);
+  EXPECT_EQ(events.size(), 1200u);  // 600 allocations, all freed
+  const ReservedReplay replay = replay_reserved(events, events.size(), 0, AllocatorConfig{});
   EXPECT_GT(measured.reserved_bytes.peak, 30 * MiB);
-  EXPECT_EQ(replay.stats().reserved_bytes.peak, measured.reserved_bytes.peak);
-  EXPECT_EQ(replay.stats().reserved_bytes.current, measured.reserved_bytes.current);
-  EXPECT_EQ(replay.stats().inactive_split_bytes.peak, measured.inactive_split_bytes.peak);
-  EXPECT_EQ(replay.stats().segment.current, measured.segment.current);
+  EXPECT_EQ(replay.peak_reserved, measured.reserved_bytes.peak);
+  EXPECT_EQ(replay.peak_allocated, measured.allocated_bytes.peak);
+  EXPECT_EQ(replay.peak_inactive_split, measured.inactive_split_bytes.peak);
+  EXPECT_EQ(replay.segments, measured.segment.current);
 }
 
 }  // namespace
