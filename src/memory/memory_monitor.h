@@ -7,7 +7,9 @@
 // counted once; "other" is what was live at the step's start and is none of those (the dataset,
 // caches); "activations" is the rest of the peak — saved activations and temporaries. On cpu a
 // gradient counts at a peak only if it was allocated before it (allocation sequence numbers); on
-// cuda every gradient alive at the phase's end counts. Not thread-safe; one per training loop.
+// cuda every gradient alive at the phase's end counts. With a caching allocator (cuda, cpu caching)
+// each phase and step also records reserved bytes, from the probe's allocator_state(). Not
+// thread-safe; one per training loop.
 #pragma once
 
 #include <ATen/core/Tensor.h>

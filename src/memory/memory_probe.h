@@ -1,6 +1,7 @@
 // MemoryProbe — live and peak bytes of the device a run trains on, behind one interface.
 //
-// cpu: the BudgetAllocator's exact counts (installed by make_memory_probe), with per-allocation
+// cpu: the BudgetAllocator's exact counts (installed by make_memory_probe; with caching, its heap's
+// statistics as allocator_state()), with per-allocation
 // records. cuda: the caching allocator's allocated bytes (device/cuda_adapter.h); per-allocation
 // origins (step, phase, size) only while record_origins(true), which costs a little per allocation.
 // Peaks are since the last reset_peak().

@@ -3,7 +3,8 @@
 // rate schedule. The trainer, the static-graph trial, fit's trials, the doctor's trials and the
 // benchmarks all start from it, so they train the same thing the same way.
 //
-// Building a Run sets process-wide state (on cpu the counting allocator is installed; the budget;
+// Building a Run sets process-wide state (on cpu the BudgetAllocator is installed, counting or, with
+// --allocator caching, serving from a fresh caching heap whose cache goes back when the Run ends; the budget;
 // on cuda allocation history when a snapshot or leak origins are asked for); destroying it undoes
 // them. Not thread-safe; one Run at a time per process. Not movable: the monitor refers into it.
 #pragma once
