@@ -72,10 +72,4 @@ void CachingHeap::free(void* ptr) {
   addresses_.erase(it);
 }
 
-uint64_t CachingHeap::address_of(void* ptr) const {
-  auto it = addresses_.find(ptr);
-  TORCH_CHECK(it != addresses_.end(), "CachingHeap: no live block at this pointer");
-  return it->second;
-}
-
 }  // namespace headroom

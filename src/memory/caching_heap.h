@@ -30,10 +30,7 @@ class CachingHeap {
   // Host memory for `bytes` (> 0), or null when out of memory (policy().last_oom() says why).
   void* allocate(int64_t bytes);
   void free(void* ptr);
-  bool owns(void* ptr) const { return addresses_.count(ptr) != 0; }
   bool empty() const { return addresses_.empty(); }
-  // The policy's address of a live block (the snapshot's addresses).
-  uint64_t address_of(void* ptr) const;
 
   CachingPolicy& policy() { return policy_; }
   const CachingPolicy& policy() const { return policy_; }

@@ -317,12 +317,6 @@ uint64_t CachingPolicy::found_block(Request& r) {
   return block->address;
 }
 
-int64_t CachingPolicy::block_size(uint64_t address) const {
-  auto it = allocated_.find(address);
-  TORCH_CHECK(it != allocated_.end(), "CachingPolicy: no allocated block at ", address);
-  return it->second->size;
-}
-
 void CachingPolicy::free(uint64_t address) {
   auto it = allocated_.find(address);
   TORCH_CHECK(it != allocated_.end(), "CachingPolicy::free: no allocated block at ", address);

@@ -142,8 +142,6 @@ class CachingPolicy {
   // PyTorch pass none, as its allocator hands out no block for 0 bytes), or nullopt when out of memory
   // (last_oom() says why). The address stays valid until free().
   std::optional<uint64_t> allocate(int64_t bytes, int stream = 0);
-  // The size of the block at `address` (an allocated one; checks).
-  int64_t block_size(uint64_t address) const;
   void free(uint64_t address);
   // Returns every cached block that holds no live allocation to the source.
   void empty_cache();

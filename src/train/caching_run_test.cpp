@@ -30,6 +30,18 @@ RunConfig tiny_caching(int64_t steps) {
   return cfg;
 }
 
+// The README's fragmentation demonstration: gpt2's widths at two layers, batch 2 x seq 32, under a
+// budget its live bytes fit and fixed segments do not.
+RunConfig fragmentation_demo(int64_t steps) {
+  RunConfig cfg = tiny_caching(steps);
+  cfg.model = "gpt2";
+  cfg.overrides = {"n_layer=2"};
+  cfg.batch = 2;
+  cfg.seq = 32;
+  cfg.memory_budget = 1'198'000'000;
+  return cfg;
+}
+
 std::string run_command(const std::string& command) {
   std::string out;
   FILE* p = ::popen(command.c_str(), "r");
@@ -118,13 +130,8 @@ TEST(CachingRun, ASnapshotNeedsACachingAllocator) {
 // expandable segments; here the earlier segments stay split, so it then halves the micro-batch.
 // An injected fault says nothing about segments: the guard halves at once.
 TEST(CachingRun, TheGuardTriesExpandableSegmentsWhenTheSegmentsNotTheBytesRanOut) {
-  RunConfig cfg = tiny_caching(1);
-  cfg.model = "gpt2";
-  cfg.overrides = {"n_layer=2"};
-  cfg.batch = 2;
-  cfg.seq = 32;
+  RunConfig cfg = fragmentation_demo(1);
   cfg.quiet = false;
-  cfg.memory_budget = 1'198'000'000;
   ::testing::internal::CaptureStderr();
   train(cfg);
   const std::string err = ::testing::internal::GetCapturedStderr();
@@ -145,13 +152,8 @@ TEST(CachingRun, TheGuardTriesExpandableSegmentsWhenTheSegmentsNotTheBytesRanOut
 // 147 MiB gradient needs a new segment while 30-odd MiB sit free inside split ones. With expandable
 // segments the same run fits, and the estimator says both before either runs.
 TEST(CachingRun, FragmentationFailsFixedSegmentsThatExpandableSegmentsFit) {
-  RunConfig cfg = tiny_caching(2);
-  cfg.model = "gpt2";
-  cfg.overrides = {"n_layer=2"};
-  cfg.batch = 2;
-  cfg.seq = 32;
+  RunConfig cfg = fragmentation_demo(2);
   cfg.no_guard = true;
-  cfg.memory_budget = 1'198'000'000;
   const TrainResult fixed = train(cfg);
   ASSERT_TRUE(fixed.oom) << "fixed segments fit";
   cfg.allocator_conf = "expandable_segments:True";
