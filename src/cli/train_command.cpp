@@ -1,6 +1,7 @@
 #include "cli/train_command.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <cstdio>
@@ -45,12 +46,14 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
         }
       }
       const TrainResult result = train(cfg);
+      // Data-parallel runs: rank 0 speaks for the job, unless this rank has its own failure to report.
+      const bool speaks = result.summary.rank == 0 || (result.oom && !result.oom->elsewhere);
       if (result.oom) {
         // The trainer reports; the advice (the estimator's numbers for each lever) is composed here.
         OomReport report = *result.oom;
-        report.advice = oom_advice(report, cfg);
-        fmt::print(stderr, "headroom: {}\n", report.to_text());
-        if (cfg.json) {
+        if (!report.elsewhere) report.advice = oom_advice(report, cfg);
+        if (speaks) fmt::print(stderr, "headroom: {}\n", report.to_text());
+        if (cfg.json && speaks) {
           fmt::print("{}\n", dump_json({{"error", report.message},
                                         {"kind", "out of memory"},
                                         {"exit_code", kExitOom},
@@ -62,8 +65,8 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
       const TrainSummary& s = result.summary;
       if (result.diverged) {
         const std::string message = result.diverged->message();
-        fmt::print(stderr, "headroom: {}\n", message);
-        if (cfg.json) {
+        if (speaks) fmt::print(stderr, "headroom: {}\n", message);
+        if (cfg.json && speaks) {
           fmt::print("{}\n", dump_json({{"error", message},
                                         {"kind", "diverged"},
                                         {"exit_code", kExitDiverged},
@@ -77,8 +80,8 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
             fmt::format("interrupted by {} after step {}; {}", signal_name(result.interrupted), s.steps,
                         dir.empty() ? "no checkpoint was configured (--checkpoint DIR keeps the state)"
                                     : fmt::format("checkpoint saved in {} (continue with --resume {})", dir, dir));
-        fmt::print(stderr, "headroom: {}\n", message);
-        if (cfg.json) {
+        if (speaks) fmt::print(stderr, "headroom: {}\n", message);
+        if (cfg.json && speaks) {
           fmt::print("{}\n", dump_json({{"error", message},
                                         {"kind", "interrupted"},
                                         {"exit_code", 128 + result.interrupted},
@@ -86,6 +89,7 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
         }
         return 128 + result.interrupted;
       }
+      if (!speaks) return 0;
       if (cfg.json) {
         nlohmann::json out = {
             {"params", s.params},
@@ -97,13 +101,25 @@ void add_train_command(CLI::App& app, std::function<int()>& run) {
             {"seconds", s.seconds},
             {"device", s.device}};
         if (s.peak_reserved_bytes) out["peak_reserved_bytes"] = *s.peak_reserved_bytes;
+        if (s.ranks > 1) {
+          out["ranks"] = s.ranks;
+          out["shard"] = shard_level_name(cfg.shard);
+          out["rank_peak_bytes"] = s.rank_peak_bytes;
+        }
         fmt::print("{}\n", dump_json(out));
       } else if (!cfg.quiet) {
         fmt::print(stderr, "\nmemory by phase, at each phase's highest peak — {}:\n{}\n", s.memory_source,
                    s.memory_table);
-        fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}{}\n", s.steps,
+        std::string ranks;
+        if (s.ranks > 1) {
+          std::vector<std::string> peaks;
+          for (const int64_t b : s.rank_peak_bytes) peaks.push_back(format_bytes(b));
+          ranks = fmt::format(" on rank 0; per rank: {}", fmt::join(peaks, ", "));
+        }
+        fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}{}{}\n", s.steps,
                    s.final_loss, s.eval_loss, s.tokens_per_s, format_bytes(s.peak_bytes),
-                   s.peak_reserved_bytes ? fmt::format(" ({} reserved)", format_bytes(*s.peak_reserved_bytes)) : "");
+                   s.peak_reserved_bytes ? fmt::format(" ({} reserved)", format_bytes(*s.peak_reserved_bytes)) : "",
+                   ranks);
       }
       return 0;
     };

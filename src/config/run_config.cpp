@@ -151,7 +151,7 @@ const std::vector<RunField>& run_fields() {
            &RunConfig::memory_snapshot),
       {"inject-oom", Kind::text,
        "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
-       "STEP:above:SIZE (its first allocation larger than SIZE)",
+       "STEP:above:SIZE (its first allocation larger than SIZE); @RANK: on that rank only (torchrun)",
        [](RunConfig& c, const std::string& s) { c.inject_oom = parse_oom_injection(s); }},
       choice("inject-leak",
              "plant a leak, for the leak detector: keep-graph (losses summed without detaching, backward told to "
@@ -179,6 +179,14 @@ const std::vector<RunField>& run_fields() {
            "turn the OOM guard off: by default an OOM in a step re-runs it with half the micro-batch and "
            "twice the accumulation (same data), down to micro-batch 1",
            &RunConfig::no_guard),
+      choice("shard",
+             "under torchrun: none (data parallel), optimizer (ZeRO-1: optimizer state split over the ranks) or "
+             "gradients (ZeRO-2: gradients too); --batch is per rank, the global batch is batch x accum x ranks",
+             &RunConfig::shard, &parse_shard_level),
+      integer("dist-timeout",
+              "under torchrun: seconds a rank waits for the others (rendezvous, each collective) before it stops "
+              "with an error",
+              &RunConfig::dist_timeout),
       flag("json", "print one JSON summary object on stdout at the end", &RunConfig::json),
       flag("quiet", "no progress lines on stderr", &RunConfig::quiet),
   };
@@ -248,16 +256,27 @@ std::string OomInjection::text() const {
   return nth > 0 ? fmt::format("{}:{}", step, nth) : fmt::format("{}:above:{}", step, above_bytes);
 }
 
-OomInjection parse_oom_injection(const std::string& text) {
+OomInjection parse_oom_injection(const std::string& given) {
   auto bad = [&]() -> OomInjection {
     fail(
         "--inject-oom '{}': expected STEP:N (fail the N-th allocation of step STEP) or STEP:above:SIZE, e.g. "
-        "2:150 or 3:above:1MiB",
-        text);
+        "2:150 or 3:above:1MiB, optionally @RANK for one rank of a data-parallel run (2:150@1)",
+        given);
   };
+  std::string text = given;
+  OomInjection o;
+  if (const auto at = text.find('@'); at != std::string::npos) {
+    try {
+      const int64_t r = parse_int("inject-oom", text.substr(at + 1));
+      if (r < 0 || r > (1 << 20)) return bad();
+      o.rank = static_cast<int>(r);
+    } catch (const Error&) {
+      return bad();
+    }
+    text = text.substr(0, at);
+  }
   const auto colon = text.find(':');
   if (colon == std::string::npos) return bad();
-  OomInjection o;
   try {
     o.step = parse_int("inject-oom", text.substr(0, colon));
     const std::string what = text.substr(colon + 1);
@@ -271,7 +290,7 @@ OomInjection parse_oom_injection(const std::string& text) {
     return bad();
   }
   if (o.step <= 0) return bad();
-  o.given = text;
+  o.given = given;
   return o;
 }
 
@@ -314,6 +333,17 @@ void validate(const RunConfig& c) {
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
   if (c.threads < 0 || c.threads > 4096) fail("--threads must be in [0, 4096] (0: automatic), got {}", c.threads);
+  if (c.dist_timeout <= 0 || c.dist_timeout > 86400) {
+    fail("--dist-timeout must be 1 to 86400 seconds, got {}", c.dist_timeout);
+  }
+  if (c.shard == ShardLevel::full) {
+    fail("--shard full (ZeRO-3: weights split too) is not built yet; accepted: none, optimizer or gradients");
+  }
+  if (c.shard != ShardLevel::none && c.optimizer == OptimizerKind::adafactor) {
+    fail("--shard {} with --optimizer adafactor is not supported (its factored state is per matrix, not per "
+         "slice); accepted: --shard none, or another optimizer",
+         shard_level_name(c.shard));
+  }
   if (c.memory_budget && *c.memory_budget <= 0) fail("--memory-budget must be positive, got {}", *c.memory_budget);
   if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);
   if (c.inject_oom && c.inject_oom->step > c.end_step()) {

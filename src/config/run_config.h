@@ -18,6 +18,7 @@
 #include "config/checkpoint_policy.h"
 #include "config/optimizer_kind.h"
 #include "config/precision.h"
+#include "config/shard_level.h"
 
 namespace headroom {
 
@@ -34,8 +35,9 @@ struct OomInjection {
   int64_t step = 0;          // 1-based optimizer step
   int64_t nth = 0;           // > 0: fail the n-th allocation of that step
   int64_t above_bytes = -1;  // >= 0: fail its first allocation larger than this
+  int rank = -1;             // data-parallel runs: only on this rank ("2:150@1"); -1: every rank
   std::string given;         // the flag's text, for messages
-  std::string text() const;  // as given: "2:150", "3:above:1MiB"
+  std::string text() const;  // as given: "2:150", "3:above:1MiB", "2:150@1"
 };
 
 // How cpu memory is served (cuda always has PyTorch's caching allocator).
@@ -82,6 +84,10 @@ struct RunConfig {
   int64_t eval_rows = 64;        // held-out windows per evaluation; 0: none
   bool plan_auto = false;        // --plan auto: choose the fastest plan that fits before training
   bool no_guard = false;         // OOM guard off: an OOM ends the run
+  // Data parallel (lever 6), when launched by torchrun: how the state is spread over the ranks, and
+  // how long a rank waits for the others (rendezvous, each collective) before giving up.
+  ShardLevel shard = ShardLevel::none;
+  int64_t dist_timeout = 300;  // seconds
   // cuda: tag allocations with their step and phase so that TrainSummary::surviving names leak
   // sites (the doctor's leak check; a little cost per allocation). Not a flag; cpu always tags.
   bool leak_origins = false;

@@ -39,6 +39,8 @@ bool cuda_available() { return c10::cuda::device_count() > 0; }
 
 int cuda_device_count() { return c10::cuda::device_count(); }
 
+void cuda_set_device(int device) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(device)); }
+
 void cuda_init() { at::globalContext().lazyInitDevice(c10::DeviceType::CUDA); }
 
 void cuda_synchronize(int device) {

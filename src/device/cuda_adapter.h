@@ -17,6 +17,8 @@ int cuda_device_count();
 // Initialises PyTorch's CUDA state (the caching allocator among it) if it is not yet: the allocator
 // settings below need it, and nothing else may have touched CUDA first. Idempotent.
 void cuda_init();
+// Makes cuda:`device` the current device of this process (a distributed rank's own card).
+void cuda_set_device(int device);
 // Waits for all work on cuda:`device` (-1: the current device).
 void cuda_synchronize(int device = -1);
 

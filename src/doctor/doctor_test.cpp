@@ -12,21 +12,13 @@
 #include <sstream>
 
 #include "doctor/report_html.h"
+#include "testing/command.h"
 #include "testing/temp_dir.h"
 
 namespace headroom {
 namespace {
 
-std::string run_command(const std::string& command) {
-  std::string out;
-  std::FILE* p = ::popen(command.c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  ::pclose(p);
-  return out;
-}
+std::string run_command(const std::string& command) { return testing::run_command(command).out; }
 
 TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   const RunConfig cfg = doctor_default();

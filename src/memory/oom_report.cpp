@@ -24,7 +24,9 @@ nlohmann::json OomReport::to_json() const {
           {"live_before_step_bytes", live_before_step},
           {"live_after_cleanup_bytes", live_after_cleanup},
           {"micro_batch", micro_batch},
-          {"during_update", during_update}};
+          {"during_update", during_update},
+          {"rank", rank >= 0 ? nlohmann::json(rank) : nlohmann::json()},
+          {"elsewhere", elsewhere}};
 }
 
 std::string OomReport::to_text() const {
@@ -36,7 +38,14 @@ std::string OomReport::to_text() const {
         format_bytes(breakdown.weights), budget >= 0 ? fmt::format(", within a {} budget", format_bytes(budget)) : "",
         message);
   }
-  std::string out = fmt::format("out of memory in {} of step {}", phase_name(phase), step);
+  if (elsewhere) {
+    return fmt::format(
+        "rank {} ran out of memory in step {} (micro-batch {}) and could not recover; every rank stops with it "
+        "(rank {}'s own report has the figures)",
+        rank, step, micro_batch, rank);
+  }
+  std::string out = fmt::format("{}out of memory in {} of step {}", rank >= 0 ? fmt::format("rank {}: ", rank) : "",
+                                phase_name(phase), step);
   if (requested >= 0) out += fmt::format(": tried to allocate {}", format_bytes(requested));
   out += fmt::format(" with {} in use", format_bytes(in_use));
   if (budget >= 0) out += fmt::format(" of a {} budget", format_bytes(budget));

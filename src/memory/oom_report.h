@@ -28,6 +28,10 @@ struct OomReport {
   bool guard_on = true;            // false: --no-guard, the first OOM ended the run
   std::string message;             // the allocator's own one-line message
   std::string advice;              // what would make it fit, when known (composed above the trainer: plan/oom_advice.h)
+  // Data-parallel runs: the rank that ran out of memory (-1: a lone process), and whether that was
+  // another rank than the one reporting (whose own figures are then not the failure's).
+  int rank = -1;
+  bool elsewhere = false;
 
   nlohmann::json to_json() const;
   // Several lines for a person: the facts, the breakdown, the largest category.

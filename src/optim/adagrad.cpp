@@ -15,7 +15,7 @@ class Adagrad final : public FusedOptimizer {
                          return std::vector<at::Tensor>{at::zeros_like(p, at::MemoryFormat::Contiguous),
                                                         at::zeros({}, p.options().dtype(at::kFloat))};
                        },
-                       options.weight_decay) {}
+                       options) {}
 
   std::string name() const override { return "adagrad"; }
 

@@ -17,7 +17,7 @@ class Adam final : public FusedOptimizer {
                                                         at::zeros_like(p, at::MemoryFormat::Contiguous),
                                                         at::zeros({}, p.options().dtype(at::kFloat))};
                        },
-                       options.weight_decay),
+                       options),
         options_(options),
         decoupled_(decoupled) {}
 

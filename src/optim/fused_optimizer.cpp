@@ -8,13 +8,13 @@ namespace headroom {
 FusedOptimizer::FusedOptimizer(const std::vector<NamedTensor>& params, std::vector<std::string> slots,
                                int step_slot,
                                const std::function<std::vector<at::Tensor>(const at::Tensor&)>& make_state,
-                               double weight_decay)
-    : slot_names_(std::move(slots)), step_slot_(step_slot), weight_decay_(weight_decay) {
+                               const OptimizerOptions& options)
+    : slot_names_(std::move(slots)), step_slot_(step_slot), weight_decay_(options.weight_decay) {
   c10::NoGradGuard no_grad;
   for (const auto& p : params) {
     Entry e{p.name, p.tensor, make_state(p.tensor)};
     TORCH_CHECK(e.state.size() == slot_names_.size(), "FusedOptimizer: make_state returned the wrong slot count");
-    (decays(p.tensor) ? decay_ : no_decay_).push_back(std::move(e));
+    (decays(p, options) ? decay_ : no_decay_).push_back(std::move(e));
   }
 }
 

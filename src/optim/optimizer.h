@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,9 @@ struct OptimizerOptions {
   double beta2_decay = -0.8;  // adafactor: beta2_t = 1 - step^beta2_decay
   double adafactor_eps2 = 1e-3;
   double adafactor_clip = 1.0;  // d: the update's RMS is clipped to this
+  // Whether the parameter of this name is a matrix, for tensors whose shape does not say (a rank's
+  // 1-D slice of a parameter, dist/data_parallel.h); unset: a tensor of 2 or more dimensions is one.
+  std::function<bool(const std::string&)> is_matrix;
 };
 
 // The optimizer's state tensors are allocated here, before the first step:

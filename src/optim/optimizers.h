@@ -12,6 +12,9 @@ namespace headroom {
 
 // Matrices decay; vectors (biases, norm weights) do not.
 inline bool decays(const at::Tensor& param) { return param.dim() >= 2; }
+inline bool decays(const NamedTensor& param, const OptimizerOptions& options) {
+  return options.is_matrix ? options.is_matrix(param.name) : decays(param.tensor);
+}
 
 // An optimizer over ATen's fused multi-tensor kernels. Each parameter has the same named state
 // slots (e.g. exp_avg, exp_avg_sq, step), allocated up front by the subclass; parameters split into
@@ -33,7 +36,8 @@ class FusedOptimizer : public Optimizer {
   // `slots` names the state of each parameter; `make_state` allocates it, in that order.
   // `step_slot`: the index of the step-counter slot, or -1 when there is none.
   FusedOptimizer(const std::vector<NamedTensor>& params, std::vector<std::string> slots, int step_slot,
-                 const std::function<std::vector<at::Tensor>(const at::Tensor&)>& make_state, double weight_decay);
+                 const std::function<std::vector<at::Tensor>(const at::Tensor&)>& make_state,
+                 const OptimizerOptions& options);
   virtual void update(Batch& batch, double lr, double weight_decay) = 0;
 
  private:

@@ -16,7 +16,7 @@ class Sgd final : public FusedOptimizer {
                          return momentum ? std::vector<at::Tensor>{at::zeros_like(p, at::MemoryFormat::Contiguous)}
                                          : std::vector<at::Tensor>{};
                        },
-                       options.weight_decay),
+                       options),
         momentum_(momentum ? options.momentum : 0.0) {}
 
   std::string name() const override { return momentum_ > 0 ? "momentum" : "sgd"; }

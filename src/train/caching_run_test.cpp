@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "estimate/estimator.h"
+#include "testing/command.h"
 #include "testing/jsonl.h"
 #include "testing/temp_dir.h"
 #include "train/trainer.h"
@@ -43,14 +44,8 @@ RunConfig fragmentation_demo(int64_t steps) {
 }
 
 std::string run_command(const std::string& command) {
-  std::string out;
-  FILE* p = ::popen(command.c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int rc = ::pclose(p);
-  if (rc != 0) out += "\n(exit status " + std::to_string(rc) + ")";
-  return out;
+  const auto r = testing::run_command(command);
+  return r.code == 0 ? r.out : r.out + "\n(exit status " + std::to_string(r.code) + ")";
 }
 
 TEST(CachingRun, MetricsCarryReservedBytesAtLeastTheLiveOnes) {

@@ -41,11 +41,35 @@ std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
 }  // namespace
 
 namespace {
-CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
+CheckpointInfo read_checkpoint(const std::string& path, const std::vector<NamedTensor>& model,
                                const std::vector<NamedTensor>& optimizer);
+std::string manifest_file(const std::string& dir) { return (std::filesystem::path(dir) / "manifest.json").string(); }
 }  // namespace
 
-std::string checkpoint_file(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.hrc").string(); }
+std::string checkpoint_file(const std::string& dir, std::optional<CheckpointShard> shard) {
+  const std::string name = shard ? fmt::format("rank-{}-of-{}.hrc", shard->rank, shard->ranks) : "checkpoint.hrc";
+  return (std::filesystem::path(dir) / name).string();
+}
+
+void write_shard_manifest(const std::string& dir, const ShardManifest& m) {
+  const nlohmann::json j = {
+      {"format", "headroom-sharded-checkpoint-1"}, {"ranks", m.ranks}, {"shard", m.shard}, {"step", m.step}};
+  write_file_atomically(manifest_file(dir), dump_json(j) + "\n", "--checkpoint");
+}
+
+std::optional<ShardManifest> read_shard_manifest(const std::string& dir) {
+  const std::string path = manifest_file(dir);
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || j.value("format", "") != "headroom-sharded-checkpoint-1" ||
+      !j.contains("ranks") || !j.at("ranks").is_number_integer() || !j.contains("step") ||
+      !j.at("step").is_number_integer() || !j.contains("shard") || !j.at("shard").is_string()) {
+    fail("--resume: '{}' is not a readable sharded-checkpoint manifest (corrupt, or from another version)", path);
+  }
+  return ShardManifest{j.at("ranks").get<int>(), j.at("shard").get<std::string>(), j.at("step").get<int64_t>()};
+}
 
 void check_checkpoint_dir(const std::string& dir, const std::string& flag) {
   std::error_code ec;
@@ -58,12 +82,12 @@ void check_checkpoint_dir(const std::string& dir, const std::string& flag) {
 }
 
 void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,
-                     const std::vector<NamedTensor>& optimizer) {
+                     const std::vector<NamedTensor>& optimizer, std::optional<CheckpointShard> shard) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) fail("--checkpoint: cannot create directory '{}': {}", dir, ec.message());
   // Until commit(), the previous checkpoint is untouched; a failure removes the partial file.
-  AtomicFile file(checkpoint_file(dir), "--checkpoint");
+  AtomicFile file(checkpoint_file(dir, shard), "--checkpoint");
   nlohmann::json tensors = nlohmann::json::array();
   uint64_t offset = sizeof(kMagic);
   file.write(kMagic, sizeof(kMagic));
@@ -97,19 +121,19 @@ void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const s
 }
 
 CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
-                               const std::vector<NamedTensor>& optimizer) {
+                               const std::vector<NamedTensor>& optimizer, std::optional<CheckpointShard> shard) {
+  const std::string path = checkpoint_file(dir, shard);
   try {
-    return read_checkpoint(dir, model, optimizer);
+    return read_checkpoint(path, model, optimizer);
   } catch (const nlohmann::json::exception& e) {
-    fail("--resume: '{}' is corrupt (its header is malformed: {})", checkpoint_file(dir), e.what());
+    fail("--resume: '{}' is corrupt (its header is malformed: {})", path, e.what());
   }
 }
 
 namespace {
 
-CheckpointInfo read_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
+CheckpointInfo read_checkpoint(const std::string& path, const std::vector<NamedTensor>& model,
                                const std::vector<NamedTensor>& optimizer) {
-  const std::string path = checkpoint_file(dir);
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("--resume: no checkpoint at '{}' (expected a directory written by --checkpoint)", path);
   in.seekg(0, std::ios::end);

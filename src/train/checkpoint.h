@@ -8,10 +8,18 @@
 // another model, each with an Error that says which. Format-1 checkpoints (older headroom: no
 // footer checksum, no optimizer name) are still read. The RNG needs no saved state: dropout is seeded from
 // (seed, step) at every step, so (seed, step) is the RNG state.
+//
+// A data-parallel run with sharded state (--shard optimizer|gradients) writes one file per rank,
+// DIR/rank-R-of-N.hrc, in the same format (the full weights, and that rank's slices of the optimizer
+// state), then — after every rank has written its own — rank 0 writes DIR/manifest.json naming the
+// world size, the shard level and the step, atomically: a set of files is a checkpoint once the
+// manifest says so. Resuming needs the same world size and shard level. An unsharded data-parallel
+// run writes DIR/checkpoint.hrc from rank 0 alone, which any world size can resume.
 #pragma once
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,8 +36,23 @@ struct CheckpointInfo {
   nlohmann::json model;     // the model config.json (with overrides) it was trained with
 };
 
-// The checkpoint file inside a checkpoint directory.
-std::string checkpoint_file(const std::string& dir);
+// One rank's file of a sharded checkpoint.
+struct CheckpointShard {
+  int rank = 0, ranks = 1;
+};
+
+// The checkpoint file inside a checkpoint directory (a rank's, for a sharded one).
+std::string checkpoint_file(const std::string& dir, std::optional<CheckpointShard> shard = std::nullopt);
+
+// DIR/manifest.json of a sharded checkpoint.
+struct ShardManifest {
+  int ranks = 0;
+  std::string shard;  // the --shard level
+  int64_t step = 0;
+};
+void write_shard_manifest(const std::string& dir, const ShardManifest& manifest);
+// nullopt when DIR has none; throws Error when it is unreadable.
+std::optional<ShardManifest> read_shard_manifest(const std::string& dir);
 
 // Creates `dir` when missing and checks that a checkpoint can be written into it; throws Error
 // naming `flag` (--checkpoint, or --resume when the run writes where it resumed from) and the
@@ -38,11 +61,12 @@ std::string checkpoint_file(const std::string& dir);
 void check_checkpoint_dir(const std::string& dir, const std::string& flag = "--checkpoint");
 
 void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,
-                     const std::vector<NamedTensor>& optimizer);
+                     const std::vector<NamedTensor>& optimizer, std::optional<CheckpointShard> shard = std::nullopt);
 
 // Reads DIR's checkpoint and copies its tensors into `model` and `optimizer`, which must have the
 // same names and shapes (i.e. the same architecture and optimizer).
 CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& model,
-                               const std::vector<NamedTensor>& optimizer);
+                               const std::vector<NamedTensor>& optimizer,
+                               std::optional<CheckpointShard> shard = std::nullopt);
 
 }  // namespace headroom

@@ -47,6 +47,7 @@ void MetricsLog::write(const StepRecord& r) {
                       {"batch", r.batch},
                       {"accum", r.accum},
                       {"oom_recoveries", r.oom_recoveries}};
+  if (r.rank) j["rank"] = *r.rank;
   if (r.reserved_bytes) j["reserved_bytes"] = *r.reserved_bytes;
   if (r.peak_reserved_bytes) j["peak_reserved_bytes"] = *r.peak_reserved_bytes;
   if (r.peak_inactive_split_bytes) j["peak_inactive_split_bytes"] = *r.peak_inactive_split_bytes;

@@ -3,7 +3,9 @@
 // Fields of each line:
 //   step            optimizer steps completed (1-based)
 //   loss            mean training loss of the step's global batch (token-weighted over micro-batches)
-//   tokens          tokens in the step's global batch
+//   tokens          tokens in the step's global batch (all ranks')
+//   rank            data-parallel runs (torchrun): the rank this file's memory figures are of; each
+//                   rank writes its own file (rank 0 the --metrics path, rank R "NAME.rankR.EXT")
 //   seconds         wall time of the step (data, forward, backward, optimizer)
 //   peak_bytes      peak device memory during the step: on cpu, bytes allocated through LibTorch's
 //                   CPU allocator (headroom's counting allocator); on cuda, the caching allocator's

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 
 #include "train/checkpoint.h"
 #include "train/metrics_log.h"
@@ -48,7 +49,17 @@ class CheckpointObserver final : public StepObserver {
   void save(Run& run, int64_t step) {
     const CheckpointInfo info{step, run.config.seed, run.config.steps, optimizer_name(run.config.optimizer),
                               run.model_config.source};
-    save_checkpoint(dir_, info, run.parameters(), run.optimizer->state());
+    if (run.replicas && run.replicas->sharded()) {
+      // Each rank its own file; the manifest once all of them are in place.
+      save_checkpoint(dir_, info, run.parameters(), run.optimizer->state(), CheckpointShard{run.rank(), run.ranks()});
+      run.comm->barrier();
+      if (run.rank() == 0) {
+        write_shard_manifest(dir_, {run.ranks(), shard_level_name(run.config.shard), step});
+      }
+    } else if (run.rank() == 0) {
+      // Every rank holds the same state: rank 0 writes it, resumable by any world size.
+      save_checkpoint(dir_, info, run.parameters(), run.optimizer->state());
+    }
     saved_ = step;
   }
 
@@ -93,6 +104,12 @@ class ProgressObserver final : public StepObserver {
 
 }  // namespace
 
+std::string rank_file(const std::string& path, int rank) {
+  if (rank == 0) return path;
+  const std::filesystem::path p(path);
+  return (p.parent_path() / fmt::format("{}.rank{}{}", p.stem().string(), rank, p.extension().string())).string();
+}
+
 std::unique_ptr<StepObserver> eval_observer(int64_t every) { return std::make_unique<EvalObserver>(every); }
 
 std::unique_ptr<StepObserver> checkpoint_observer(const std::string& dir, int64_t every) {
@@ -115,8 +132,8 @@ std::vector<std::unique_ptr<StepObserver>> make_observers(const Run& run, int64_
   const std::string checkpoint_dir = !c.checkpoint.empty() ? c.checkpoint : c.resume;
   if (!checkpoint_dir.empty()) out.push_back(checkpoint_observer(checkpoint_dir, c.checkpoint_every));
   if (c.eval_rows > 0) out.push_back(eval_observer(c.eval_every));
-  if (!c.metrics.empty()) out.push_back(metrics_observer(c.metrics, resumed_at));
-  if (!c.quiet) out.push_back(progress_observer(start, c.end_step(), c.steps));
+  if (!c.metrics.empty()) out.push_back(metrics_observer(rank_file(c.metrics, run.rank()), resumed_at));
+  if (!c.quiet && run.rank() == 0) out.push_back(progress_observer(start, c.end_step(), c.steps));
   return out;
 }
 

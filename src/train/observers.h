@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "train/run.h"
@@ -38,6 +39,10 @@ std::unique_ptr<StepObserver> checkpoint_observer(const std::string& dir, int64_
 std::unique_ptr<StepObserver> metrics_observer(const std::string& path, std::optional<int64_t> resumed_at);
 // Progress on stderr: the first step, then at most every 2 s, and the last; tokens/s and time left.
 std::unique_ptr<StepObserver> progress_observer(int64_t start, int64_t end, int64_t total_steps);
+
+// The file of rank `rank` for an output path: the path itself for rank 0 (and a lone process),
+// "metrics.rank1.jsonl" for rank 1 of "metrics.jsonl".
+std::string rank_file(const std::string& path, int rank);
 
 // The observers `run`'s config asks for, in order, for a run that starts after step `start`
 // (0, or where it resumed).

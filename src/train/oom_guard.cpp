@@ -16,8 +16,8 @@ namespace {
 // Arms --inject-oom for the step it names; disarms when the step ends, however it ends.
 class InjectionScope {
  public:
-  InjectionScope(const std::optional<OomInjection>& injection, int64_t step)
-      : armed_(injection && injection->step == step + 1) {
+  InjectionScope(const std::optional<OomInjection>& injection, int64_t step, int rank)
+      : armed_(injection && injection->step == step + 1 && (injection->rank < 0 || injection->rank == rank)) {
     if (!armed_) return;
     BudgetAllocator& a = BudgetAllocator::install();
     if (injection->nth > 0) {
@@ -38,7 +38,7 @@ class InjectionScope {
 
 }  // namespace
 
-OomGuard::OomGuard(Run& run) : run_(run), global_rows_(run.config.batch * run.config.accum), micro_(run.config.batch) {}
+OomGuard::OomGuard(Run& run) : run_(run), rows_(run.config.batch * run.config.accum), micro_(run.config.batch) {}
 
 OomReport OomGuard::diagnose(const c10::OutOfMemoryError& e, const StepShape& shape, bool updating) {
   MemoryMonitor& monitor = *run_.monitor;
@@ -65,18 +65,32 @@ OomReport OomGuard::diagnose(const c10::OutOfMemoryError& e, const StepShape& sh
   // Release what the failed step held: its activations are gone with the unwound stack, its
   // gradients are not.
   zero_grad(run_.parameters());
+  if (run_.replicas) run_.replicas->zero_grad();
   monitor.abort_step();
   r.live_after_cleanup = probe.live_bytes();
   return r;
 }
 
+namespace {
+// What every rank does after a failed attempt; data-parallel ranks agree on the largest, which
+// carries the failed rank in its low bits (codes compare by action first).
+enum class Action { again = 1, halve = 2, give_up = 3 };
+int encode(Action a, int rank) { return (static_cast<int>(a) << 16) | (rank + 1); }
+Action action_of(int code) { return static_cast<Action>(code >> 16); }
+int rank_of(int code) { return (code & 0xffff) - 1; }
+}  // namespace
+
 GuardedStep OomGuard::run(int64_t step) {
-  const InjectionScope injection(run_.config.inject_oom, step);
-  const bool quiet = run_.config.quiet;
+  const InjectionScope injection(run_.config.inject_oom, step, run_.rank());
+  const bool quiet = run_.config.quiet || run_.rank() != 0;
+  DataParallel* replicas = run_.replicas.get();
   GuardedStep g;
   for (;;) {
-    const StepShape shape{step, global_rows_, micro_};
+    const StepShape shape{step, rows_, micro_, run_.rank(), run_.ranks()};
     run_.monitor->begin_step(step);
+    OomReport report;
+    int code = 0;
+    std::string why;
     try {
       run_step(run_, shape, g.outcome);
       g.micro = shape.micro;
@@ -97,45 +111,73 @@ GuardedStep OomGuard::run(int64_t step) {
           cache->reserved = event->caching->reserved;
         }
       }
-      const bool updating = g.outcome.update_started;
-      OomReport report = diagnose(e, shape, updating);
-      if (run_.config.no_guard || updating) {
-        g.oom = report;
-        return g;
-      }
-      if (cache) {
+      // Past the ranks' last agreement (in the update) the others are inside collectives this rank
+      // will not join: it cannot re-run the step, and they learn of it when it exits.
+      const bool updating = g.outcome.update_started || g.outcome.agreed;
+      report = diagnose(e, shape, updating);
+      if (replicas) report.rank = run_.rank();
+      Action action = Action::halve;
+      if (run_.config.no_guard || updating || (micro_ == 1 && !cache)) action = Action::give_up;
+      if (action == Action::halve && cache) {
         const CacheDecision d = after_oom(*cache);
         if (d.action == CacheAction::expandable_segments) {
-          // Fragmentation, not size: the same micro-batch again, in expandable segments.
-          run_.probe->enable_expandable_segments();
-          if (!quiet) {
-            fmt::print(stderr,
-                       "step {}: out of memory with micro-batch {}: {}; expandable segments on, same "
-                       "micro-batch again\n",
-                       step + 1, micro_, d.reason);
-          }
-          ++g.recoveries;
-          continue;
+          action = Action::again;
+          why = d.reason;
+        } else if (micro_ == 1) {
+          action = Action::give_up;
         }
       }
-      if (micro_ == 1) {
-        g.oom = report;
-        return g;
+      code = encode(action, run_.rank());
+      if (replicas && !updating) {
+        replicas->abandon_backward();  // the collectives the others' micro-batch still expects
+        code = replicas->agree(code);
       }
-      const int64_t smaller = (micro_ + 1) / 2;
+    } catch (const PeerFailure& peer) {
+      // Another rank ran out of memory; this one's micro-batch went well but is part of a failed step.
+      code = peer.code;
+      report.step = step + 1;
+      report.phase = run_.monitor->last_phase();
+      report.micro_batch = micro_;
+      report.rank = rank_of(code);
+      report.elsewhere = true;
+      report.message = fmt::format("rank {} ran out of memory", report.rank);
+      replicas->zero_grad();
+      run_.monitor->abort_step();
+      report.live_after_cleanup = run_.probe->live_bytes();
+    }
+    const Action action = action_of(code);
+    if (replicas && rank_of(code) != run_.rank() && !report.elsewhere) {
+      // This rank failed too, but another's outcome was worse: it acts on that one.
+      report.rank = rank_of(code);
+    }
+    if (action == Action::give_up) {
+      if (replicas && rank_of(code) != run_.rank()) report.elsewhere = true;
+      g.oom = report;
+      return g;
+    }
+    ++g.recoveries;
+    if (action == Action::again) {
+      // Fragmentation, not size: the same micro-batch again, in expandable segments.
+      if (run_.probe->allocator_state()) run_.probe->enable_expandable_segments();
       if (!quiet) {
-        fmt::print(stderr,
-                   "step {}: out of memory in {} with micro-batch {} ({} in use); running the step again "
-                   "as {} x {}\n",
-                   step + 1, phase_name(report.phase), micro_, format_bytes(report.in_use), smaller,
-                   (global_rows_ + smaller - 1) / smaller);
+        fmt::print(stderr, "step {}: out of memory with micro-batch {}{}: {}; expandable segments on, same micro-batch again\n",
+                   step + 1, micro_, replicas ? fmt::format(" on rank {}", rank_of(code)) : "",
+                   why.empty() ? "fragmentation" : why);
       }
-      micro_ = smaller;
-      ++g.recoveries;
-      // Segments cut for the old shapes: returned once if enough of the reservation is idle.
-      if (const auto st = run_.probe->allocator_state(); st && empty_cache_after_reshape(st->allocated, st->reserved)) {
-        run_.probe->empty_cache();
-      }
+      continue;
+    }
+    const int64_t smaller = (micro_ + 1) / 2;
+    if (!quiet) {
+      const std::string where = replicas ? fmt::format("on rank {}", rank_of(code))
+                                         : fmt::format("in {}", phase_name(report.phase));
+      fmt::print(stderr, "step {}: out of memory {} with micro-batch {}{}; {} the step again as {} x {}\n", step + 1,
+                 where, micro_, report.elsewhere ? "" : fmt::format(" ({} in use)", format_bytes(report.in_use)),
+                 replicas ? "every rank runs" : "running", smaller, (rows_ + smaller - 1) / smaller);
+    }
+    micro_ = smaller;
+    // Segments cut for the old shapes: returned once if enough of the reservation is idle.
+    if (const auto st = run_.probe->allocator_state(); st && empty_cache_after_reshape(st->allocated, st->reserved)) {
+      run_.probe->empty_cache();
     }
   }
 }

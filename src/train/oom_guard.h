@@ -46,7 +46,7 @@ class OomGuard {
   OomReport diagnose(const c10::OutOfMemoryError& e, const StepShape& shape, bool updating);
 
   Run& run_;
-  int64_t global_rows_;
+  int64_t rows_;  // this rank's sequences per step
   int64_t micro_;
 };
 

@@ -22,10 +22,14 @@ LossScaler::LossScaler(const c10::Device& device, double initial_scale, double g
       backoff_(backoff),
       interval_(interval) {}
 
-bool LossScaler::unscale(const std::vector<at::Tensor>& grads) {
+bool LossScaler::unscale(const std::vector<at::Tensor>& grads, const std::function<bool(bool)>& across) {
   found_inf_.zero_();
   if (!grads.empty()) at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, scale_.reciprocal());
-  return found_inf_.item<float>() > 0;
+  const bool found = found_inf_.item<float>() > 0;
+  if (!across) return found;
+  const bool anywhere = across(found);
+  found_inf_.fill_(anywhere ? 1.0 : 0.0);
+  return anywhere;
 }
 
 void LossScaler::update() { at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, growth_, backoff_, interval_); }

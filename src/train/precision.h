@@ -7,6 +7,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,8 +29,10 @@ class LossScaler {
              int64_t interval = 2000);
 
   at::Tensor scale(const at::Tensor& loss) const { return loss * scale_; }
-  // Unscales `grads` in place; true when any gradient is not finite.
-  bool unscale(const std::vector<at::Tensor>& grads);
+  // Unscales `grads` in place; true when any gradient is not finite. `across`, when given, combines
+  // this process's verdict with the other ranks' (each holds part of the gradients), and update()
+  // follows the combined one.
+  bool unscale(const std::vector<at::Tensor>& grads, const std::function<bool(bool)>& across = {});
   void update();
   double scale_value() const;
 

@@ -46,7 +46,19 @@ Run::~Run() {
 
 MadeRun make_run(const RunConfig& cfg) {
   validate(cfg);
-  const c10::Device device = resolve_device(cfg.device);
+  c10::Device device = resolve_device(cfg.device);
+  // Under torchrun: this rank's place in the job, and on cuda its own card (LOCAL_RANK).
+  const std::optional<WorldEnv> world = world_from_environment();
+  const bool distributed = world && world->world_size > 1;
+  if (distributed && device.is_cuda()) {
+    if (world->local_rank >= cuda_device_count()) {
+      fail("LOCAL_RANK {} has no CUDA device (this machine has {}); launch at most that many ranks per node "
+           "(torchrun --nproc-per-node)",
+           world->local_rank, cuda_device_count());
+    }
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world->local_rank));
+    cuda_set_device(world->local_rank);
+  }
   if (cfg.allocator == AllocatorKind::caching && !device.is_cuda() && cfg.allocator_conf.empty()) {
     parse_allocator_config(allocator_config_from_environment(), "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF");
   }
@@ -60,6 +72,9 @@ MadeRun make_run(const RunConfig& cfg) {
 
   if (!device.is_cuda()) at::set_num_threads(cpu_threads_for_run(cfg.threads));
   auto run = std::make_unique<Run>(cfg, device);
+  if (distributed) {
+    run->comm = std::make_unique<Communicator>(*world, device, std::chrono::seconds(cfg.dist_timeout));
+  }
   run->model_config = load_model_config(cfg.model, cfg.overrides);
   const ModelConfig& mc = run->model_config;
   if (mc.vocab_size < kByteVocabulary) {
@@ -88,7 +103,13 @@ MadeRun make_run(const RunConfig& cfg) {
     run->model = std::make_unique<CausalLM>(mc, at::TensorOptions().dtype(dtype).device(device), cfg.seed);
     OptimizerOptions options;
     options.weight_decay = cfg.weight_decay_value();
-    run->optimizer = make_optimizer(cfg.optimizer, run->model->parameters(), options);
+    if (run->comm) {
+      run->replicas = std::make_unique<DataParallel>(*run->comm, run->model->parameters(), cfg.shard);
+      DataParallel* replicas = run->replicas.get();
+      options.is_matrix = [replicas](const std::string& name) { return replicas->is_matrix(name); };
+    }
+    run->optimizer = make_optimizer(
+        cfg.optimizer, run->replicas ? run->replicas->optimizer_parameters() : run->model->parameters(), options);
   } catch (const c10::OutOfMemoryError& e) {
     OomReport r;
     r.during_setup = true;
@@ -99,6 +120,7 @@ MadeRun make_run(const RunConfig& cfg) {
     r.requested = event ? event->requested : -1;
     r.breakdown.weights = count_parameters(mc) * static_cast<int64_t>(c10::elementSize(dtype));
     run->optimizer.reset();
+    run->replicas.reset();
     run->model.reset();
     return {nullptr, r};
   }
@@ -112,6 +134,9 @@ MadeRun make_run(const RunConfig& cfg) {
                                                                     std::vector<at::Tensor> grads;
                                                                     for (const auto& p : r->parameters())
                                                                       grads.push_back(p.tensor.grad());
+                                                                    if (r->replicas)
+                                                                      for (const auto& t : r->replicas->gradient_buffers())
+                                                                        grads.push_back(t);
                                                                     return grads;
                                                                   },
                                                                   [r] {

@@ -20,6 +20,8 @@
 #include "config/model_config.h"
 #include "config/run_config.h"
 #include "data/text_dataset.h"
+#include "dist/communicator.h"
+#include "dist/data_parallel.h"
 #include "memory/memory_monitor.h"
 #include "memory/memory_probe.h"
 #include "memory/oom_report.h"
@@ -39,10 +41,13 @@ struct Run {
   RunConfig config;
   c10::Device device;
   std::unique_ptr<MemoryProbe> probe;  // first: on cpu it installs the counting allocator
+  // Under torchrun with more than one rank: the job's collectives, and what the step does with them.
+  std::unique_ptr<Communicator> comm;
   ModelConfig model_config;
   std::optional<TextDataset> data;
   std::unique_ptr<CausalLM> model;
   std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<DataParallel> replicas;  // with comm; before the model in destruction (its hooks)
   std::optional<LossScaler> scaler;  // fp16-mixed
   std::unique_ptr<MemoryMonitor> monitor;
   LrSchedule schedule;
@@ -53,6 +58,8 @@ struct Run {
   at::Tensor leaked_loss;
 
   const std::vector<NamedTensor>& parameters() const { return model->parameters(); }
+  int rank() const { return comm ? comm->rank() : 0; }
+  int ranks() const { return comm ? comm->size() : 1; }
   // cuda with RunConfig::leak_origins: allocations are tagged with their step and phase.
   bool records_origins() const { return origins_; }
 

@@ -13,9 +13,10 @@ namespace headroom {
 
 MicroBatch load_micro_batch(Run& run, const StepShape& s, int64_t m) {
   auto phase = run.monitor->phase(Phase::data);
-  const int64_t first = m * s.micro, rows = std::min(s.micro, s.global_rows - first);
-  const Batch b = run.data->train_batch(run.config.seed, s.step, first, rows);
-  const double weight = static_cast<double>(rows) / static_cast<double>(s.global_rows);
+  const int64_t first = m * s.micro, rows = std::min(s.micro, s.rows - first);
+  const Batch b = run.data->train_batch(run.config.seed, s.step, s.rank * s.rows + first, rows);
+  // Of the global batch: the ranks' gradients then sum to the whole batch's.
+  const double weight = static_cast<double>(rows) / static_cast<double>(s.rows * s.ranks);
   return {b.inputs.to(run.device), b.targets.to(run.device), weight};
 }
 
@@ -39,39 +40,61 @@ void backward_loss(Run& run, const at::Tensor& loss, double weight) {
   // about the summed losses' freed graph does.
   (run.scaler ? run.scaler->scale(weighted) : weighted)
       .backward({}, /*retain_graph=*/run.config.inject_leak == LeakInjection::keep_graph);
+  if (run.replicas) run.replicas->end_backward();
 }
 
 void update(Run& run, double lr, StepOutcome& out) {
   auto phase = run.monitor->phase(Phase::optimizer);
+  DataParallel* replicas = run.replicas.get();
+  if (replicas) replicas->reduce_gradients();
   if (run.scaler) {
-    // fp16: gradients back to their true scale first; a step with an inf or NaN is skipped.
+    // fp16: gradients back to their true scale first; a step with an inf or NaN (on any rank) is skipped.
     std::vector<at::Tensor> grads;
-    for (const auto& p : run.parameters()) {
-      if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
+    if (replicas) {
+      grads = replicas->gradients();
+    } else {
+      for (const auto& p : run.parameters()) {
+        if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
+      }
     }
-    out.skipped = run.scaler->unscale(grads);
+    out.skipped = replicas ? run.scaler->unscale(grads, [replicas](bool found) { return replicas->any(found); })
+                           : run.scaler->unscale(grads);
   }
   if (!out.skipped) {
-    out.grad_norm = clip_grad_norm(run.parameters(), run.config.grad_clip);
+    out.grad_norm = replicas ? replicas->clip_grad_norm(run.config.grad_clip)
+                             : clip_grad_norm(run.parameters(), run.config.grad_clip);
     out.update_started = true;
     run.optimizer->step(lr);
+    if (replicas) replicas->gather_parameters();
   }
   if (run.scaler) run.scaler->update();
 }
 
 void clear_gradients(Run& run) {
   auto phase = run.monitor->phase(Phase::zero_grad);
-  zero_grad(run.parameters());
+  if (run.replicas) {
+    run.replicas->zero_grad();
+  } else {
+    zero_grad(run.parameters());
+  }
 }
 
 void run_step(Run& run, const StepShape& shape, StepOutcome& out) {
-  seed_step(run.config.seed, shape.step);
+  seed_step(run.config.seed, shape.step, shape.rank);
   out = StepOutcome{};
   for (int64_t m = 0; m < shape.accum(); ++m) {
+    if (run.replicas) run.replicas->begin_micro_batch();
     const MicroBatch batch = load_micro_batch(run, shape, m);
     const at::Tensor loss = forward_loss(run, batch);
     backward_loss(run, loss, batch.weight);
     out.loss += loss.item<double>() * batch.weight;
+    if (run.replicas) {
+      if (const int code = run.replicas->agree(0); code != 0) throw PeerFailure{code};
+    }
+  }
+  if (run.replicas) {
+    out.agreed = true;
+    out.loss = run.replicas->sum(out.loss);
   }
   update(run, run.schedule.at(shape.step), out);
   clear_gradients(run);

@@ -19,12 +19,20 @@
 
 namespace headroom {
 
-// How one optimizer step's global batch is split: rows [m·micro, (m+1)·micro) per micro-batch.
+// How one optimizer step's global batch is split: this rank's rows are
+// [rank·rows, (rank+1)·rows) of the ranks·rows global ones, in micro-batches of `micro`.
 struct StepShape {
-  int64_t step = 0;         // 0-based optimizer step
-  int64_t global_rows = 0;  // sequences per optimizer step, fixed for the run
-  int64_t micro = 0;        // sequences per micro-batch
-  int64_t accum() const { return (global_rows + micro - 1) / micro; }
+  int64_t step = 0;   // 0-based optimizer step
+  int64_t rows = 0;   // sequences per optimizer step on this rank, fixed for the run
+  int64_t micro = 0;  // sequences per micro-batch
+  int rank = 0, ranks = 1;
+  int64_t accum() const { return (rows + micro - 1) / micro; }
+};
+
+// Thrown on every rank whose micro-batch went well when another rank's did not (data-parallel runs):
+// `code` is the agreed outcome, which train/oom_guard.h defines.
+struct PeerFailure {
+  int code = 0;
 };
 
 // What a step did; filled as it runs, so that after an exception it says how far it got.
@@ -33,6 +41,7 @@ struct StepOutcome {
   double grad_norm = 0;
   bool skipped = false;         // fp16: an inf/NaN gradient skipped the update
   bool update_started = false;  // from here a failure may have changed parameters: not retryable
+  bool agreed = false;          // data parallel: every micro-batch agreed; the update's collectives follow
 };
 
 struct MicroBatch {
@@ -48,7 +57,9 @@ void update(Run& run, double lr, StepOutcome& out);                        // op
 void clear_gradients(Run& run);                                            // zero_grad
 
 // One optimizer step: seeds dropout from (seed, step), then the phases above. The monitor's step
-// must have begun (MemoryMonitor::begin_step). `out` is filled as the step goes.
+// must have begun (MemoryMonitor::begin_step). `out` is filled as the step goes. With data-parallel
+// ranks (Run::replicas) the ranks agree after each micro-batch, throwing PeerFailure when another
+// failed; the loss is the global batch's, summed over the ranks.
 void run_step(Run& run, const StepShape& shape, StepOutcome& out);
 
 // The mean token loss of up to --eval-rows held-out sequences, in batches of `rows`, without

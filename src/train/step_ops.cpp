@@ -4,8 +4,9 @@
 
 namespace headroom {
 
-void seed_step(uint64_t seed, int64_t step) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) + 1;
+void seed_step(uint64_t seed, int64_t step, int rank) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) + 1 +
+               static_cast<uint64_t>(rank) * 0xD1B54A32D192ED03ull;
   x = (x ^ (x >> 31)) * 0xBF58476D1CE4E5B9ull;
   at::manual_seed(x >> 1);
 }

@@ -14,7 +14,8 @@ namespace headroom {
 struct StepRecord {
   int64_t step = 0;  // 1-based
   double loss = 0;
-  int64_t tokens = 0;
+  int64_t tokens = 0;           // of the global batch (every rank's, in a data-parallel run)
+  std::optional<int> rank;      // data-parallel runs: the rank whose memory this record measures
   double seconds = 0;
   int64_t peak_bytes = 0;
   int64_t live_bytes = 0;  // after the step

@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -50,9 +51,41 @@ std::string config_difference(const nlohmann::json& a, const nlohmann::json& b) 
 
 // Loads --resume's checkpoint into the run, checking that it belongs to this run; returns the
 // number of steps it had completed.
+CheckpointInfo load_for_resume(Run& run) {
+  const RunConfig& cfg = run.config;
+  const std::optional<ShardManifest> manifest = read_shard_manifest(cfg.resume);
+  if (!(run.replicas && run.replicas->sharded())) {
+    if (manifest && !std::filesystem::exists(checkpoint_file(cfg.resume))) {
+      fail("--resume: the checkpoint in '{}' is sharded ({} ranks, --shard {}); resume it under torchrun "
+           "--nproc-per-node {} with --shard {} (re-sharding to another world size is not supported yet)",
+           cfg.resume, manifest->ranks, manifest->shard, manifest->ranks, manifest->shard);
+    }
+    return load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state());
+  }
+  const char* level = shard_level_name(cfg.shard);
+  if (!manifest) {
+    fail("--resume: '{}' holds no sharded checkpoint (no manifest.json); a checkpoint of --shard none "
+         "(checkpoint.hrc) resumes with --shard none at any world size",
+         cfg.resume);
+  }
+  if (manifest->ranks != run.ranks() || manifest->shard != level) {
+    fail("--resume: the checkpoint in '{}' was written by {} ranks with --shard {}, this run has {} ranks with --shard "
+         "{}; resume with the same (re-sharding to another world size is not supported yet)",
+         cfg.resume, manifest->ranks, manifest->shard, run.ranks(), level);
+  }
+  const CheckpointInfo info = load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state(),
+                                              CheckpointShard{run.rank(), run.ranks()});
+  if (info.step != manifest->step) {
+    fail("--resume: '{}' is at step {} but its manifest says step {}: a save was cut short; the files do not form "
+         "one checkpoint",
+         checkpoint_file(cfg.resume, CheckpointShard{run.rank(), run.ranks()}), info.step, manifest->step);
+  }
+  return info;
+}
+
 int64_t resume(Run& run) {
   const RunConfig& cfg = run.config;
-  const CheckpointInfo info = load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state());
+  const CheckpointInfo info = load_for_resume(run);
   if (info.seed != cfg.seed) {
     fail("--resume: the checkpoint was trained with --seed {}, this run has --seed {}; pass --seed {}", info.seed,
          cfg.seed, info.seed);
@@ -86,11 +119,13 @@ void announce(const Run& run, int64_t start) {
   const TextDataset& data = *run.data;
   const std::string where =
       run.device.is_cuda() ? run.device.str() : fmt::format("cpu ({} threads)", at::get_num_threads());
+  const std::string ranks =
+      run.comm ? fmt::format(" x {} ranks (--shard {})", run.ranks(), shard_level_name(c.shard)) : "";
   fmt::print(stderr,
-             "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {} x seq {}, {}, {}, "
+             "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {}{} x seq {}, {}, {}, "
              "checkpointing {}, steps {}..{}{}\n",
              run.model_config.name, family_name(run.model_config.family), run.model->num_parameters() / 1e6, where,
-             data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, c.batch, c.accum, c.seq,
+             data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, c.batch, c.accum, ranks, c.seq,
              precision_name(c.precision), run.optimizer->name(), c.checkpointing.name(), start + 1, c.steps,
              c.memory_budget ? fmt::format(", memory budget {}", format_bytes(*c.memory_budget)) : "");
 }
@@ -103,7 +138,8 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   r.seconds = seconds_since(started);
   r.step = step + 1;
   r.loss = g.outcome.loss;
-  r.tokens = run.config.batch * run.config.accum * run.config.seq;
+  r.tokens = run.config.batch * run.config.accum * run.config.seq * run.ranks();
+  if (run.comm) r.rank = run.rank();
   r.peak_bytes = r.memory.peak;
   r.live_bytes = run.probe->live_bytes();
   r.reserved_bytes = r.memory.reserved;
@@ -213,13 +249,14 @@ TrainResult train(const RunConfig& cfg) {
     // A --resume directory that is not there is resume()'s error to give, not one to create.
     if (!resuming_only || std::filesystem::is_directory(dir)) {
       check_checkpoint_dir(dir, resuming_only ? "--resume" : "--checkpoint");
-      lock.emplace(dir, resuming_only ? "--resume" : "--checkpoint");
+      // One job, one lock: rank 0 holds it for all the ranks.
+      if (run.rank() == 0) lock.emplace(dir, resuming_only ? "--resume" : "--checkpoint");
     }
   }
   const int64_t start = cfg.resume.empty() ? 0 : resume(run);
   const auto resumed_at = cfg.resume.empty() ? std::nullopt : std::optional<int64_t>(start);
   const auto observers = make_observers(run, start, resumed_at);
-  if (!cfg.quiet) announce(run, start);
+  if (!cfg.quiet && run.rank() == 0) announce(run, start);
 
   const auto started = Clock::now();
   const int64_t end = cfg.end_step();
@@ -239,16 +276,29 @@ TrainResult train(const RunConfig& cfg) {
     }
     for (const auto& o : observers) o->after_step(run, record, step + 1 == end);
     result.steps.push_back(std::move(record));
-    if (step + 1 < end && interrupt_requested()) {
-      result.interrupted = interrupt_requested();
+    // Data-parallel ranks stop together: a signal that reached one of them between steps stops all.
+    const int signal = run.replicas ? run.replicas->agree(interrupt_requested()) : interrupt_requested();
+    if (step + 1 < end && signal) {
+      result.interrupted = signal;
       for (const auto& o : observers) o->on_stop(run, result.steps.back());
       break;
     }
   }
   result.summary = summarize(run, start, result.steps, seconds_since(started));
+  result.summary.rank = run.rank();
+  result.summary.ranks = run.ranks();
+  // Every rank ends here together (an OOM, a divergence and an interrupt are agreed on), except
+  // after an OOM inside the update, where the others are waiting in a collective.
+  if (run.comm && !(result.oom && result.oom->during_update)) {
+    at::Tensor mine = at::full({1}, result.summary.peak_bytes, at::kLong);
+    at::Tensor all = at::empty({run.ranks()}, at::kLong);
+    run.comm->allgather(all, mine);
+    for (int64_t i = 0; i < run.ranks(); ++i) result.summary.rank_peak_bytes.push_back(all[i].item<int64_t>());
+  }
   // The allocator's history, with the failure in it when there was one.
   if (!cfg.memory_snapshot.empty()) {
-    write_file_atomically(cfg.memory_snapshot, run.probe->snapshot_pickle(), "--memory-snapshot");
+    write_file_atomically(rank_file(cfg.memory_snapshot, run.rank()), run.probe->snapshot_pickle(),
+                          "--memory-snapshot");
   }
   return result;
 }

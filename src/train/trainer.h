@@ -38,6 +38,10 @@ struct TrainSummary {
   std::string device;
   std::string memory_table;   // MemoryMonitor::summary_table()
   std::string memory_source;  // what the memory figures measure
+  // Data-parallel runs (torchrun): this process's rank, the world size, and every rank's peak
+  // (gathered at the end; empty for a lone process, or when the run did not end together).
+  int rank = 0, ranks = 1;
+  std::vector<int64_t> rank_peak_bytes;
 };
 
 // Training that diverged: the loss (or, without loss scaling, the gradient norm) stopped being a number.

@@ -1,0 +1,189 @@
+#include "dist/communicator.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef HEADROOM_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <string_view>
+
+#include "util/error.h"
+#include "util/files.h"
+
+namespace headroom {
+namespace {
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int env_int(const char* name, int lo, int hi) {
+  const std::string text = *env(name);
+  try {
+    size_t used = 0;
+    const long v = std::stol(text, &used);
+    if (used == text.size() && v >= lo && v <= hi) return static_cast<int>(v);
+  } catch (const std::exception&) {
+  }
+  fail("{}={}: expected a whole number in {}..{}", name, text, lo, hi);
+}
+
+std::string what_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return first_line(c->what_without_backtrace());
+  return first_line(e.what());
+}
+
+}  // namespace
+
+std::optional<WorldEnv> world_from_environment() {
+  const bool has_rank = env("RANK").has_value(), has_world = env("WORLD_SIZE").has_value();
+  if (!has_rank && !has_world) return std::nullopt;
+  if (has_rank != has_world) {
+    fail("{} is set but {} is not; a distributed run needs both (torchrun sets them), a lone run neither",
+         has_rank ? "RANK" : "WORLD_SIZE", has_rank ? "WORLD_SIZE" : "RANK");
+  }
+  WorldEnv w;
+  w.world_size = env_int("WORLD_SIZE", 1, 1 << 20);
+  w.rank = env_int("RANK", 0, w.world_size - 1);
+  w.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", 0, w.world_size - 1) : w.rank;
+  if (w.world_size > 1 && (!env("MASTER_ADDR") || !env("MASTER_PORT"))) {
+    fail("WORLD_SIZE={} needs MASTER_ADDR and MASTER_PORT (the rendezvous address; torchrun sets them)",
+         w.world_size);
+  }
+  if (auto a = env("MASTER_ADDR")) w.master_addr = *a;
+  if (env("MASTER_PORT")) w.master_port = env_int("MASTER_PORT", 1, 65535);
+  if (auto s = env("TORCHELASTIC_USE_AGENT_STORE")) w.agent_store = *s == "True" || *s == "true" || *s == "1";
+  if (env("TORCHELASTIC_RESTART_COUNT")) w.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20);
+  return w;
+}
+
+struct Communicator::Backend {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> group;
+};
+
+Communicator::Communicator(const WorldEnv& env_in, const c10::Device& device, std::chrono::milliseconds timeout)
+    : env_(env_in), timeout_(timeout), backend_(std::make_unique<Backend>()) {
+  try {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(env_.master_port);
+    opts.isServer = env_.rank == 0 && !env_.agent_store;
+    opts.numWorkers = env_.agent_store ? std::nullopt : std::optional<std::size_t>(env_.world_size);
+    opts.waitWorkers = !env_.agent_store;
+    opts.timeout = timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, opts);
+    backend_->store =
+        c10::make_intrusive<c10d::PrefixStore>(fmt::format("headroom/attempt_{}", env_.restart_count), tcp);
+  } catch (const std::exception& e) {
+    fail("rank {}: cannot reach the rendezvous store at {}:{} within {} s: {}", env_.rank, env_.master_addr,
+         env_.master_port, timeout.count() / 1000, what_of(e));
+  }
+  try {
+    if (device.is_cuda()) {
+#ifdef HEADROOM_WITH_NCCL
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = timeout;
+      backend_->group =
+          c10::make_intrusive<c10d::ProcessGroupNCCL>(backend_->store, env_.rank, env_.world_size, options);
+#else
+      fail("this headroom was built without NCCL (no nccl.h was found); a cuda run cannot be distributed");
+#endif
+    } else {
+      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+      if (auto ifname = env("GLOO_SOCKET_IFNAME")) {
+        // Several interfaces may be listed, comma-separated, as PyTorch accepts.
+        std::string_view rest = *ifname;
+        while (!rest.empty()) {
+          const size_t comma = rest.find(',');
+          options->devices.push_back(
+              c10d::ProcessGroupGloo::createDeviceForInterface(std::string(rest.substr(0, comma))));
+          rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+        }
+      } else {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      }
+      backend_->group =
+          c10::make_intrusive<c10d::ProcessGroupGloo>(backend_->store, env_.rank, env_.world_size, options);
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("rank {}: cannot join the {}-rank {} group within {} s: {}", env_.rank, env_.world_size,
+         device.is_cuda() ? "NCCL" : "Gloo", timeout.count() / 1000, what_of(e));
+  }
+}
+
+Communicator::~Communicator() = default;
+
+template <typename F>
+void Communicator::run(const char* op, F&& start) {
+  try {
+    c10::intrusive_ptr<c10d::Work> work = start();
+    work->wait(timeout_);
+  } catch (const std::exception& e) {
+    fail("rank {}: lost contact with the other ranks during {} (timeout {} s): {}; another rank has failed or "
+         "was stopped — its own output says why",
+         env_.rank, op, timeout_.count() / 1000, what_of(e));
+  }
+}
+
+namespace {
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  return op == ReduceOp::max ? c10d::ReduceOp(c10d::ReduceOp::MAX) : c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+}  // namespace
+
+void Communicator::allreduce(at::Tensor& tensor, ReduceOp op) {
+  if (size() == 1) return;
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  run("allreduce", [&] { return backend_->group->allreduce(tensors, opts); });
+  bytes_ += 2 * bytes_of(tensor) * (size() - 1) / size();
+}
+
+void Communicator::broadcast(at::Tensor& tensor, int root) {
+  if (size() == 1) return;
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  run("broadcast", [&] { return backend_->group->broadcast(tensors, opts); });
+  if (rank() == root) bytes_ += bytes_of(tensor);
+}
+
+void Communicator::reduce_scatter(at::Tensor& output, at::Tensor& input) {
+  TORCH_CHECK(input.numel() == output.numel() * size(), "reduce_scatter: input must hold world-size chunks");
+  if (size() == 1) {
+    output.copy_(input);
+    return;
+  }
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  run("reduce-scatter", [&] { return backend_->group->_reduce_scatter_base(output, input, opts); });
+  bytes_ += bytes_of(input) * (size() - 1) / size();
+}
+
+void Communicator::allgather(at::Tensor& output, at::Tensor& input) {
+  TORCH_CHECK(output.numel() == input.numel() * size(), "allgather: output must hold world-size chunks");
+  if (size() == 1) {
+    output.copy_(input);
+    return;
+  }
+  run("allgather", [&] { return backend_->group->_allgather_base(output, input); });
+  bytes_ += bytes_of(output) * (size() - 1) / size();
+}
+
+void Communicator::barrier() {
+  if (size() == 1) return;
+  run("barrier", [&] { return backend_->group->barrier(); });
+}
+
+}  // namespace headroom

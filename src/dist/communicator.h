@@ -1,0 +1,82 @@
+// Communicator — the collectives headroom's data-parallel training needs, over PyTorch's own
+// distributed engine (c10d: Gloo on cpu, NCCL on cuda). dist/communicator.cpp is the only file that
+// includes the process-group headers.
+//
+// A process learns its place from the environment torchrun (or a hand launch) gives it: RANK,
+// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, and TORCHELASTIC_USE_AGENT_STORE (torchrun's
+// agent already hosts the TCPStore, so every rank is a client; by hand, rank 0 hosts it). Gloo binds
+// to GLOO_SOCKET_IFNAME when set (several nodes), else to this host's address; NCCL reads its own
+// NCCL_* variables. Without RANK and WORLD_SIZE a process is alone and nothing here is used.
+//
+// Every collective blocks until it completes. A peer that died or stopped answering surfaces as an
+// Error ("rank R: lost contact with the other ranks during <op> ...") within the timeout, never a
+// hang. Not thread-safe; one per process.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace headroom {
+
+// This process's place in the job, from the environment.
+struct WorldEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool agent_store = false;  // torchrun's agent hosts the store: connect as a client
+  int restart_count = 0;     // torchrun's TORCHELASTIC_RESTART_COUNT: keys of a restarted job are fresh
+};
+
+// The job this process belongs to; nullopt when RANK and WORLD_SIZE are not set (a lone process).
+// Throws Error naming the variable when one is malformed or inconsistent (RANK >= WORLD_SIZE, a
+// missing MASTER_PORT with WORLD_SIZE > 1, ...).
+std::optional<WorldEnv> world_from_environment();
+
+enum class ReduceOp { sum, max };
+
+class Communicator {
+ public:
+  // Joins the job: the store, then the backend for `device` (Gloo for cpu; NCCL for cuda, whose
+  // device must be cuda:LOCAL_RANK). `timeout` bounds the rendezvous and every collective.
+  Communicator(const WorldEnv& env, const c10::Device& device, std::chrono::milliseconds timeout);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return env_.rank; }
+  int size() const { return env_.world_size; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // In place, every rank ends with the same result.
+  void allreduce(at::Tensor& tensor, ReduceOp op = ReduceOp::sum);
+  void broadcast(at::Tensor& tensor, int root);
+  // `input` holds size() equal chunks; this rank's `output` (one chunk) gets their sum over ranks.
+  void reduce_scatter(at::Tensor& output, at::Tensor& input);
+  // `output` holds size() chunks, chunk r being rank r's `input`.
+  void allgather(at::Tensor& output, at::Tensor& input);
+  void barrier();
+
+  // Bytes this process has sent into collectives so far, by the algorithms' textbook volume
+  // (ring: allreduce 2(N-1)/N, reduce-scatter and allgather (N-1)/N of the full buffer).
+  int64_t bytes_communicated() const { return bytes_; }
+
+ private:
+  struct Backend;
+  template <typename F>
+  void run(const char* op, F&& start);
+
+  WorldEnv env_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<Backend> backend_;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace headroom
