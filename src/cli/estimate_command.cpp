@@ -23,7 +23,7 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
                          "caching allocator, by reserved memory under that cap.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "batch", "accum", "seq", "device", "attention",
                                      "precision", "checkpointing", "optimizer", "memory-budget", "allocator",
-                                     "allocator-conf", "json", "quiet"});
+                                     "allocator-conf", "world-size", "shard", "json", "quiet"});
   cmd->callback([config, &run] {
     run = [config]() -> int {
       const RunConfig cfg = config();

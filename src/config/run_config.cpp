@@ -6,6 +6,7 @@
 
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
 
 #include "memory/allocator_config.h"
 #include "util/error.h"
@@ -183,6 +184,10 @@ const std::vector<RunField>& run_fields() {
              "under torchrun: none (data parallel), optimizer (ZeRO-1: optimizer state split over the ranks) or "
              "gradients (ZeRO-2: gradients too); --batch is per rank, the global batch is batch x accum x ranks",
              &RunConfig::shard, &parse_shard_level),
+      integer("world-size",
+              "data-parallel ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, "
+              "else 1); under torchrun it must equal the ranks launched",
+              &RunConfig::world_size),
       integer("dist-timeout",
               "under torchrun: seconds a rank waits for the others (rendezvous, each collective) before it stops "
               "with an error",
@@ -312,6 +317,15 @@ RunConfig as_trial(RunConfig c, int64_t steps) {
   return c;
 }
 
+int64_t world_size_of(const RunConfig& c) {
+  if (c.world_size > 0) return c.world_size;
+  const char* env = std::getenv("WORLD_SIZE");
+  if (env == nullptr || *env == '\0') return 1;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  return (end != env && *end == '\0' && v >= 1) ? v : 1;  // a malformed one is the launch's error to give
+}
+
 void validate(const RunConfig& c) {
   auto positive = [](const char* flag, int64_t v) {
     if (v <= 0) fail("--{} must be positive, got {}", flag, v);
@@ -333,6 +347,7 @@ void validate(const RunConfig& c) {
   if (c.checkpoint_every < 0) fail("--checkpoint-every must be non-negative, got {}", c.checkpoint_every);
   if (c.eval_every < 0) fail("--eval-every must be non-negative, got {}", c.eval_every);
   if (c.threads < 0 || c.threads > 4096) fail("--threads must be in [0, 4096] (0: automatic), got {}", c.threads);
+  if (c.world_size < 0 || c.world_size > 65536) fail("--world-size must be 1 to 65536, got {}", c.world_size);
   if (c.dist_timeout <= 0 || c.dist_timeout > 86400) {
     fail("--dist-timeout must be 1 to 86400 seconds, got {}", c.dist_timeout);
   }

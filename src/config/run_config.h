@@ -88,6 +88,7 @@ struct RunConfig {
   // how long a rank waits for the others (rendezvous, each collective) before giving up.
   ShardLevel shard = ShardLevel::none;
   int64_t dist_timeout = 300;  // seconds
+  int64_t world_size = 0;      // ranks to predict and plan for; 0: WORLD_SIZE's (torchrun), else 1
   // cuda: tag allocations with their step and phase so that TrainSummary::surviving names leak
   // sites (the doctor's leak check; a little cost per allocation). Not a flag; cpu always tags.
   bool leak_origins = false;
@@ -124,6 +125,10 @@ OomInjection parse_oom_injection(const std::string& text);
 // warm-up. What it
 // trains (model, shapes, precision, budget, an injected leak) is kept.
 RunConfig as_trial(RunConfig config, int64_t steps);
+
+// The data-parallel ranks `config` is for: --world-size when given, else the environment's
+// WORLD_SIZE (under torchrun), else 1.
+int64_t world_size_of(const RunConfig& config);
 
 // Checks ranges and combinations after all sources are applied; throws Error naming the flag.
 void validate(const RunConfig& config);

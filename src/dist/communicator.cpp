@@ -79,8 +79,11 @@ Communicator::Communicator(const WorldEnv& env_in, const c10::Device& device, st
     opts.waitWorkers = !env_.agent_store;
     opts.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, opts);
-    backend_->store =
-        c10::make_intrusive<c10d::PrefixStore>(fmt::format("headroom/attempt_{}", env_.restart_count), tcp);
+    // Each communicator of the process (the doctor's trials make one per run) under its own keys;
+    // every rank makes them in the same order, so the numbers agree.
+    static int made = 0;
+    backend_->store = c10::make_intrusive<c10d::PrefixStore>(
+        fmt::format("headroom/attempt_{}/group_{}", env_.restart_count, made++), tcp);
   } catch (const std::exception& e) {
     fail("rank {}: cannot reach the rendezvous store at {}:{} within {} s: {}", env_.rank, env_.master_addr,
          env_.master_port, timeout.count() / 1000, what_of(e));
@@ -142,7 +145,6 @@ int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(
 }  // namespace
 
 void Communicator::allreduce(at::Tensor& tensor, ReduceOp op) {
-  if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -151,7 +153,6 @@ void Communicator::allreduce(at::Tensor& tensor, ReduceOp op) {
 }
 
 void Communicator::broadcast(at::Tensor& tensor, int root) {
-  if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -161,10 +162,6 @@ void Communicator::broadcast(at::Tensor& tensor, int root) {
 
 void Communicator::reduce_scatter(at::Tensor& output, at::Tensor& input) {
   TORCH_CHECK(input.numel() == output.numel() * size(), "reduce_scatter: input must hold world-size chunks");
-  if (size() == 1) {
-    output.copy_(input);
-    return;
-  }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   run("reduce-scatter", [&] { return backend_->group->_reduce_scatter_base(output, input, opts); });
@@ -173,16 +170,11 @@ void Communicator::reduce_scatter(at::Tensor& output, at::Tensor& input) {
 
 void Communicator::allgather(at::Tensor& output, at::Tensor& input) {
   TORCH_CHECK(output.numel() == input.numel() * size(), "allgather: output must hold world-size chunks");
-  if (size() == 1) {
-    output.copy_(input);
-    return;
-  }
   run("allgather", [&] { return backend_->group->_allgather_base(output, input); });
   bytes_ += bytes_of(output) * (size() - 1) / size();
 }
 
 void Communicator::barrier() {
-  if (size() == 1) return;
   run("barrier", [&] { return backend_->group->barrier(); });
 }
 

@@ -226,6 +226,30 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
   }
 }
 
+// `estimate --world-size 2 --shard S` against rank peaks measured on 2 ranks: gpt2's widths and
+// vocabulary at two layers (tied embeddings), and tiny (llama, untied) at its four.
+TEST(DataParallel, EstimatePerRankPeakWithinThreePercentOfTheMeasuredOne) {
+  struct Case {
+    std::string model;
+    int64_t batch;
+  };
+  for (const Case& c : {Case{"--model gpt2 --set n_layer=2", 1}, Case{"--model tiny", 2}}) {
+    for (const char* level : {"none", "optimizer", "gradients"}) {
+      SCOPED_TRACE(c.model + " --shard " + level);
+      const std::string shape = fmt::format("{} --batch {} --seq 32 --device cpu --shard {}", c.model, c.batch, level);
+      const auto e = run_command(fmt::format("{} estimate {} --world-size 2 --json", HEADROOM_BINARY, shape));
+      ASSERT_EQ(e.code, 0) << e.out;
+      const int64_t predicted = nlohmann::json::parse(e.out).at("peak_bytes");
+      const auto m = launch(2, HEADROOM_BINARY, fmt::format("train {} --steps 2 --eval-rows 0 --quiet --json", shape));
+      ASSERT_EQ(m.code, 0) << m.out;
+      const auto summary = nlohmann::json::parse(m.out.substr(m.out.rfind("\n{") + 1));
+      for (const int64_t measured : summary.at("rank_peak_bytes").get<std::vector<int64_t>>()) {
+        EXPECT_NEAR(static_cast<double>(predicted), static_cast<double>(measured), 0.03 * static_cast<double>(measured));
+      }
+    }
+  }
+}
+
 TEST(DataParallel, ShardedCheckpointResumesToTheSameLossSequence) {
   TempDir dir;
   const std::string common = fmt::format(

@@ -61,6 +61,16 @@ class StepSim : sim::Ops {
   void setup();
   void optimizer_phase();
 
+  // Data parallel (dist/data_parallel.cpp, step for step).
+  bool sharded() const { return s_.world > 1 && s_.shard != ShardLevel::none; }
+  int64_t chunk(int64_t numel) const { return (numel + s_.world - 1) / s_.world; }
+  void reduce_scatter(size_t i, bool zeros);
+  void gradient_ready(size_t i);
+  void finish_backward();
+  void allreduce_buckets();
+  void gather_parameters();
+  void agreement() { Ref flag = mem_.allocate(8, comm_); }  // a one-element int64 allreduce
+
   const Param& p(const std::string& name) const {
     auto it = params_.find(name);
     if (it == params_.end()) fail("estimator: the model has no parameter '{}'", name);
@@ -84,6 +94,10 @@ class StepSim : sim::Ops {
   Ref dataset_, dataset_eval_;
   Ref workspace_;  // cuda: cuBLAS's
   std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
+  int comm_ = -1;        // label of the collectives' buffers
+  Ref shard_;            // sharded: this rank's reduced gradients, one chunk per parameter
+  std::vector<bool> ready_;  // gradients: accumulated this backward, not yet reduced
+  size_t next_ = 0;          // gradients: reductions issued this backward (last parameter first)
 };
 
 Tensor StepSim::attention_block(int64_t layer, const Tensor& x, const Tensor& cos, const Tensor& sin) {
@@ -242,6 +256,10 @@ void StepSim::micro_batch(int64_t rows) {
   const int loss_lbl = mem_.label("loss buffers", Category::loss,
                                   "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient");
   mem_.set_phase(Phase::data);
+  if (s_.shard == ShardLevel::gradients && s_.world > 1) {
+    ready_.assign(order_.size(), false);
+    next_ = 0;
+  }
   Ref batch = mem_.allocate(rows * (t + 1) * 8, batch_lbl);
   Tensor loss;
   {
@@ -257,6 +275,72 @@ void StepSim::micro_batch(int64_t rows) {
   if (s_.precision == Precision::fp16_mixed) root = scale(root, tmp_);
   loss = Tensor{};
   g_->backward(root);
+  root = Tensor{};
+  if (s_.world > 1) {
+    finish_backward();
+    agreement();
+  }
+}
+
+void StepSim::reduce_scatter(size_t i, bool zeros) {
+  Param& prm = params_.at(order_[i]);
+  const int64_t n = prm.t.numel, c = chunk(n);
+  Ref grad = zeros ? nullptr : prm.t.slot->grad;
+  // Padded to N chunks in a zeroed copy unless the gradient already is exactly that.
+  Ref input = (!grad || c * s_.world != n) ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
+  Ref output = mem_.allocate(c * ew_, comm_);
+  if (!s_.cuda) {
+    // Gloo reduce-scatters by reducing a copy of the whole input and copying this rank's chunk out
+    // of it: both transient, measured at the input's and the output's size.
+    Ref copy = mem_.allocate(c * s_.world * ew_, comm_), chunk_out = mem_.allocate(c * ew_, comm_);
+  }
+  if (s_.shard == ShardLevel::gradients) ++next_;
+  if (!zeros) prm.t.slot->grad.reset();
+  output.reset();
+  input.reset();
+}
+
+void StepSim::gradient_ready(size_t i) {
+  ready_[i] = true;
+  while (next_ < order_.size() && ready_[order_.size() - 1 - next_]) reduce_scatter(order_.size() - 1 - next_, false);
+}
+
+void StepSim::finish_backward() {
+  if (s_.shard != ShardLevel::gradients) return;
+  while (next_ < order_.size()) reduce_scatter(order_.size() - 1 - next_, true);
+}
+
+void StepSim::allreduce_buckets() {
+  constexpr int64_t kBucketBytes = int64_t{25} << 20;
+  std::vector<int64_t> bucket;
+  auto flush = [&] {
+    // One gradient is reduced in place; several are copied into one flat buffer and back.
+    if (bucket.size() > 1) {
+      int64_t bytes = 0;
+      for (int64_t b : bucket) bytes += b;
+      Ref flat = mem_.allocate(bytes, comm_);
+    }
+    bucket.clear();
+  };
+  int64_t bytes = 0;
+  for (size_t k = order_.size(); k-- > 0;) {
+    const int64_t g = params_.at(order_[k]).t.numel * ew_;
+    if (!bucket.empty() && bytes + g > kBucketBytes) {
+      flush();
+      bytes = 0;
+    }
+    bucket.push_back(g);
+    bytes += g;
+  }
+  flush();
+}
+
+void StepSim::gather_parameters() {
+  for (const auto& name : order_) {
+    const int64_t n = params_.at(name).t.numel, c = chunk(n);
+    Ref input = mem_.allocate(c * ew_, comm_);
+    if (c * s_.world != n) Ref output = mem_.allocate(c * s_.world * ew_, comm_);
+  }
 }
 
 void StepSim::setup() {
@@ -294,6 +378,25 @@ void StepSim::setup() {
   // nothing at the peak, but a caching allocator keeps the largest copy's segment.
   const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");
   for (const auto& name : order_) Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
+  if (s_.world > 1) {
+    comm_ = mem_.label("communication buffers", Category::communication,
+                       "the collectives' flat buckets (unsharded: up to 25 MiB), padded gradients and "
+                       "gathered parameters (sharded: one parameter at a time)");
+  }
+  if (sharded()) {
+    int64_t elements = 0;
+    for (const auto& name : order_) elements += chunk(params_.at(name).t.numel);
+    shard_ = mem_.allocate(elements * ew_,
+                           mem_.label("gradient shard", Category::gradients,
+                                      fmt::format("this rank's reduced gradients: ceil(n / {}) of each parameter's n "
+                                                  "elements × {} B",
+                                                  s_.world, ew_)));
+  }
+  if (s_.shard == ShardLevel::gradients && s_.world > 1) {
+    for (size_t i = 0; i < order_.size(); ++i) {
+      params_.at(order_[i]).t.slot->on_accumulated = [this, i] { gradient_ready(i); };
+    }
+  }
 }
 
 Estimate StepSim::run() {
@@ -323,7 +426,13 @@ Estimate StepSim::run() {
   // are what the trainer allocates, tensor by tensor, and nothing is allocated here.
   std::vector<Ref> state;
   {
-    const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, shapes_->parameters(), OptimizerOptions{});
+    // Sharded: rank 0's slices of each parameter (the first ceil(n / N) elements), as the trainer's
+    // DataParallel hands them to the optimizer.
+    std::vector<NamedTensor> owned = shapes_->parameters();
+    if (sharded()) {
+      for (auto& t : owned) t.tensor = t.tensor.view(-1).narrow(0, 0, std::min(chunk(t.tensor.numel()), t.tensor.numel()));
+    }
+    const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, owned, OptimizerOptions{});
     for (const NamedTensor& t : real->state())
       state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), st));
     for (const at::Tensor& t : real->working_memory()) {
@@ -349,6 +458,13 @@ Estimate StepSim::run() {
   for (size_t i = 0; i < mem_.labels().size(); ++i) {
     at_update[static_cast<size_t>(mem_.labels()[i].category)] += mem_.live_under(static_cast<int>(i));
   }
+  if (s_.world > 1) {
+    Ref loss_sum = mem_.allocate(8, comm_);  // the global batch's loss, summed over the ranks
+    if (s_.shard == ShardLevel::none) allreduce_buckets();
+    if (s_.shard == ShardLevel::optimizer) {
+      for (size_t k = order_.size(); k-- > 0;) reduce_scatter(k, false);
+    }
+  }
   {
     const int lbl = mem_.label("optimizer temporaries", Category::temporaries,
                                "gradient-norm partials for clipping, per-matrix factor statistics");
@@ -371,6 +487,7 @@ Estimate StepSim::run() {
       }
     }
   }
+  if (sharded()) gather_parameters();
   mem_.set_phase(Phase::zero_grad);
   for (auto& [name, prm] : params_) prm.t.slot->grad.reset();
 
@@ -502,6 +619,8 @@ TrainSpec train_spec(const RunConfig& cfg) {
   s.optimizer = cfg.optimizer;
   s.checkpointing = cfg.checkpointing;
   s.attention = cfg.attention;
+  s.world = world_size_of(cfg);
+  s.shard = cfg.shard;
   // An estimate is for before the GPU is rented: --device cuda needs none here.
   s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
   s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);

@@ -26,6 +26,7 @@
 #include "config/model_config.h"
 #include "config/optimizer_kind.h"
 #include "config/precision.h"
+#include "config/shard_level.h"
 #include "estimate/reserved.h"
 #include "estimate/sim.h"
 #include "memory/allocator_config.h"
@@ -47,6 +48,10 @@ struct TrainSpec {
   // predicted by replaying the step through its policy (estimate/reserved.h). nullopt: not predicted.
   std::optional<AllocatorConfig> caching;
   std::optional<int64_t> budget;  // with caching: the cap the replay runs under (fits by reserved)
+  // Data parallel (lever 6): the ranks, and how their state is split; the estimate is rank 0's (the
+  // rank with the largest slices). --batch stays the per-rank micro-batch.
+  int64_t world = 1;
+  ShardLevel shard = ShardLevel::none;
 };
 
 struct EstimateItem {

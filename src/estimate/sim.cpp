@@ -16,6 +16,7 @@ const char* category_name(Category c) {
     case Category::temporaries: return "temporaries";
     case Category::allocator: return "allocator_overhead";
     case Category::other: return "other";
+    case Category::communication: return "communication";
   }
   return "?";
 }
@@ -144,6 +145,7 @@ void Graph::accumulate(Emit e) {
   }
   if (s.grad) {
     add_into(mem_, s.grad, s.grad_is_view, s, s.param_label >= 0 ? s.param_label : temporaries_label());
+    if (s.param_label >= 0 && s.on_accumulated) s.on_accumulated();
     return;
   }
   if (s.param_label >= 0) {
@@ -157,6 +159,7 @@ void Graph::accumulate(Emit e) {
   }
   s.grad = std::move(e.grad);
   s.grad_is_view = e.view;
+  if (s.param_label >= 0 && s.on_accumulated) s.on_accumulated();
 }
 
 void Graph::backward(const Tensor& root, Ref seed) {

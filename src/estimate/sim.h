@@ -34,9 +34,10 @@ enum class Category {
   loss,
   temporaries,
   allocator,
-  other
+  other,
+  communication,  // data parallel: buckets and gather buffers of the collectives
 };
-inline constexpr int kCategories = 10;
+inline constexpr int kCategories = 11;
 const char* category_name(Category c);
 
 // What a buffer is, for the table: a name, its category and the formula or reason behind its size.
@@ -146,6 +147,8 @@ struct GradSlot {
   int arrived = 0;
   Ref pending;  // parameters used more than once: their input buffer until all arrive
   bool pending_is_view = false;
+  // Parameters: called each time AccumulateGrad has run for it (a post-accumulate-grad hook).
+  std::function<void()> on_accumulated;
 };
 using SlotPtr = std::shared_ptr<GradSlot>;
 

@@ -49,7 +49,14 @@ MadeRun make_run(const RunConfig& cfg) {
   c10::Device device = resolve_device(cfg.device);
   // Under torchrun: this rank's place in the job, and on cuda its own card (LOCAL_RANK).
   const std::optional<WorldEnv> world = world_from_environment();
-  const bool distributed = world && world->world_size > 1;
+  // Launched by torchrun, even as its only rank: the collectives then run through the backend too
+  // (a one-rank NCCL smoke test on a single GPU).
+  const bool distributed = world.has_value();
+  if (cfg.world_size > 0 && cfg.world_size != (world ? world->world_size : 1)) {
+    fail("--world-size {}: this process is one of {} (WORLD_SIZE); launch {} ranks with torchrun --nproc-per-node {} "
+         "(or --nnodes), or drop --world-size",
+         cfg.world_size, world ? world->world_size : 1, cfg.world_size, cfg.world_size);
+  }
   if (distributed && device.is_cuda()) {
     if (world->local_rank >= cuda_device_count()) {
       fail("LOCAL_RANK {} has no CUDA device (this machine has {}); launch at most that many ranks per node "
