@@ -61,7 +61,9 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
 
 RunConfig choose_plan(const RunConfig& cfg) {
   PlanOptions o;
-  o.global_batch = cfg.batch * cfg.accum;
+  o.global_batch = cfg.batch * cfg.accum * world_size_of(cfg);
+  // Data-parallel ranks must choose the same plan: timings differ between processes, FLOPs do not.
+  if (world_size_of(cfg) > 1) o.calibrate = false;
   const PlanRequest r = request_of(cfg, o, "--plan auto");
   const PlanResult result = plan(cfg, o, r);
   if (result.plans.empty()) nothing_fits(result, r, false);
@@ -79,9 +81,11 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "Rank the ways to train --global-batch sequences per step within the memory budget: micro-batch x\n"
       "accumulation, precision, checkpointing and attention (the optimizer only with\n"
       "--allow-optimizer-change), peak predicted by the estimator, step time by a cost model calibrated\n"
-      "with a few timed steps on this machine. Exit code 3 when nothing fits.");
+      "with a few timed steps on this machine. With --world-size N (data parallel under torchrun) the\n"
+      "global batch is split over N ranks, peaks are per rank, and the shard level (none, optimizer,\n"
+      "gradients) is a lever, its collectives costed at an assumed link speed. Exit code 3 when nothing fits.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "precision", "optimizer",
-                                     "memory-budget", "threads", "json", "quiet"});
+                                     "memory-budget", "threads", "world-size", "json", "quiet"});
   auto o = std::make_shared<PlanOptions>();
   cmd->add_option("--global-batch", o->global_batch, "sequences per optimizer step (required)")
       ->required()
@@ -111,14 +115,17 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       if (!cfg.json) {
         fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,
                    format_bytes(r.budget), 100 * r.margin);
-        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:>11} {:>10}\n", "micro", "accum", "precision",
-                   "checkpoint", "attn", "optimizer", "peak", "step time");
+        const bool ranks = world_size_of(cfg) > 1;
+        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{:>11} {:>10}\n", "micro", "accum", "precision",
+                   "checkpoint", "attn", "optimizer", ranks ? fmt::format("{:<10} ", "shard") : "",
+                   ranks ? "peak/rank" : "peak", "step time");
         const size_t n = std::min<size_t>(result.plans.size(), static_cast<size_t>(o->top));
         for (size_t i = 0; i < n; ++i) {
           const Plan& p = result.plans[i];
-          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:>11} {:>9.2f}x\n", p.batch, p.accum,
+          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{:>11} {:>9.2f}x\n", p.batch, p.accum,
                      precision_name(p.precision), p.checkpointing.name(), attention_path_name(p.attention),
-                     optimizer_name(p.optimizer), format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
+                     optimizer_name(p.optimizer), ranks ? fmt::format("{:<10} ", shard_level_name(p.shard)) : "",
+                     format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
         }
       }
       return 0;

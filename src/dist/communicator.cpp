@@ -141,7 +141,6 @@ namespace {
 c10d::ReduceOp to_c10d(ReduceOp op) {
   return op == ReduceOp::max ? c10d::ReduceOp(c10d::ReduceOp::MAX) : c10d::ReduceOp(c10d::ReduceOp::SUM);
 }
-int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 }  // namespace
 
 void Communicator::allreduce(at::Tensor& tensor, ReduceOp op) {
@@ -149,7 +148,6 @@ void Communicator::allreduce(at::Tensor& tensor, ReduceOp op) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   run("allreduce", [&] { return backend_->group->allreduce(tensors, opts); });
-  bytes_ += 2 * bytes_of(tensor) * (size() - 1) / size();
 }
 
 void Communicator::broadcast(at::Tensor& tensor, int root) {
@@ -157,7 +155,6 @@ void Communicator::broadcast(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   run("broadcast", [&] { return backend_->group->broadcast(tensors, opts); });
-  if (rank() == root) bytes_ += bytes_of(tensor);
 }
 
 void Communicator::reduce_scatter(at::Tensor& output, at::Tensor& input) {
@@ -165,13 +162,11 @@ void Communicator::reduce_scatter(at::Tensor& output, at::Tensor& input) {
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   run("reduce-scatter", [&] { return backend_->group->_reduce_scatter_base(output, input, opts); });
-  bytes_ += bytes_of(input) * (size() - 1) / size();
 }
 
 void Communicator::allgather(at::Tensor& output, at::Tensor& input) {
   TORCH_CHECK(output.numel() == input.numel() * size(), "allgather: output must hold world-size chunks");
   run("allgather", [&] { return backend_->group->_allgather_base(output, input); });
-  bytes_ += bytes_of(output) * (size() - 1) / size();
 }
 
 void Communicator::barrier() {

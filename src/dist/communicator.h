@@ -64,10 +64,6 @@ class Communicator {
   void allgather(at::Tensor& output, at::Tensor& input);
   void barrier();
 
-  // Bytes this process has sent into collectives so far, by the algorithms' textbook volume
-  // (ring: allreduce 2(N-1)/N, reduce-scatter and allgather (N-1)/N of the full buffer).
-  int64_t bytes_communicated() const { return bytes_; }
-
  private:
   struct Backend;
   template <typename F>
@@ -76,7 +72,6 @@ class Communicator {
   WorldEnv env_;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Backend> backend_;
-  int64_t bytes_ = 0;
 };
 
 }  // namespace headroom

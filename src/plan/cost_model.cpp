@@ -1,6 +1,7 @@
 #include "plan/cost_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "config/model_config.h"
@@ -99,6 +100,29 @@ std::optional<CostModel> CostModel::calibrate(const RunConfig& base, const std::
     m.fits_[p] = {fit.seconds_per_micro_batch * scale, fit.seconds_per_flop * scale};
   }
   return m;
+}
+
+double CostModel::communication_seconds(const ModelConfig& model, Precision precision, int64_t world,
+                                        ShardLevel shard, int64_t accum) const {
+  if (world <= 1) return 0;
+  const double bytes = static_cast<double>(count_parameters(model)) * (precision == Precision::bf16 ? 2.0 : 4.0);
+  const double part = static_cast<double>(world - 1) / static_cast<double>(world);
+  double volume = 0, collectives = 0;
+  switch (shard) {
+    case ShardLevel::none:
+      volume = 2 * part * bytes;
+      collectives = std::ceil(bytes / static_cast<double>(int64_t{25} << 20));
+      break;
+    case ShardLevel::optimizer:
+    case ShardLevel::gradients:
+    case ShardLevel::full: {
+      const double reductions = shard == ShardLevel::optimizer ? 1.0 : static_cast<double>(accum);
+      volume = (reductions + 1) * part * bytes;
+      collectives = (reductions + 1) * static_cast<double>(model.num_layers * 10 + 4);  // about 10 tensors a layer
+      break;
+    }
+  }
+  return volume / kLinkBytesPerSecond + collectives * kCollectiveLatencySeconds;
 }
 
 double CostModel::step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq,

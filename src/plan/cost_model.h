@@ -51,6 +51,15 @@ class CostModel {
   // Seconds of one optimizer step of `global_rows` sequences as micro-batches of `micro` rows.
   double step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq, Precision precision,
                       const CheckpointPolicy& checkpointing, AttentionPath attention) const;
+  // Seconds of one step's collectives on each of `world` ranks at `shard` with `accum` micro-batches:
+  // the ring algorithms' bytes per rank — allreduce 2(N-1)/N of the gradients (none); reduce-scatter
+  // (N-1)/N of them (once, or per micro-batch at gradients) and allgather (N-1)/N of the weights —
+  // over an assumed link (kLinkBytesPerSecond, not measured), plus a fixed latency per collective
+  // (25 MiB buckets unsharded; two per parameter sharded). 0 for one rank.
+  double communication_seconds(const ModelConfig& model, Precision precision, int64_t world, ShardLevel shard,
+                               int64_t accum) const;
+  static constexpr double kLinkBytesPerSecond = 5e9;
+  static constexpr double kCollectiveLatencySeconds = 50e-6;
   bool calibrated() const { return !fits_.empty(); }
   const std::map<Precision, StepTimeFit>& fits() const { return fits_; }
 

@@ -11,6 +11,7 @@ const char* lever_name(Lever lever) {
     case Lever::checkpointing: return "checkpointing";
     case Lever::attention: return "attention";
     case Lever::optimizer: return "optimizer";
+    case Lever::shard: return "shard";
   }
   return "?";
 }
@@ -27,6 +28,11 @@ std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers) {
   }
   out.push_back(CheckpointPolicy::full());
   return out;
+}
+
+std::vector<ShardLevel> shard_settings(int64_t world, OptimizerKind optimizer) {
+  if (world <= 1 || optimizer == OptimizerKind::adafactor) return {ShardLevel::none};
+  return {ShardLevel::none, ShardLevel::optimizer, ShardLevel::gradients};
 }
 
 std::vector<AttentionPath> attention_settings() { return {AttentionPath::flash, AttentionPath::math}; }

@@ -1,6 +1,6 @@
 // Levers — the one table of what headroom can change about a run to make it fit: gradient
-// accumulation (lever 3), precision (4), activation checkpointing (5), the attention path, and the
-// optimizer (8). The planner enumerates its candidates from it, the doctor tries each change it
+// accumulation (lever 3), precision (4), activation checkpointing (5), the attention path, the
+// optimizer (8) and, with several data-parallel ranks, the shard level (6). The planner enumerates its candidates from it, the doctor tries each change it
 // lists, and the OOM advice names them; a new setting joins here and nowhere else.
 #pragma once
 
@@ -13,7 +13,7 @@
 
 namespace headroom {
 
-enum class Lever { accumulation, precision, checkpointing, attention, optimizer };
+enum class Lever { accumulation, precision, checkpointing, attention, optimizer, shard };
 const char* lever_name(Lever lever);
 
 // The settings of each lever, as the planner enumerates them.
@@ -23,6 +23,9 @@ std::vector<Precision> precision_settings(Precision given);
 // none, selective, every:4 and every:2 where the model is deeper than that, full.
 std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers);
 std::vector<AttentionPath> attention_settings();
+// Shard levels for `world` data-parallel ranks: none alone for one rank; else none, optimizer and
+// gradients (full is not built), and only none for adafactor (its state does not shard by slice).
+std::vector<ShardLevel> shard_settings(int64_t world, OptimizerKind optimizer);
 // The optimizers from the given one: only it, or (allow_change) every kind, the given one first.
 std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change);
 

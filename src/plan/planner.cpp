@@ -19,15 +19,19 @@ nlohmann::json Plan::to_json() const {
           {"checkpointing", checkpointing.name()},
           {"optimizer", optimizer_name(optimizer)},
           {"attention", attention_path_name(attention)},
+          {"shard", shard_level_name(shard)},
+          {"world_size", world},
           {"predicted_peak_bytes", predicted_peak_bytes},
           {"predicted_step_seconds", predicted_step_seconds},
           {"predicted_step_time_ratio", predicted_step_time_ratio}};
 }
 
 std::string Plan::describe() const {
-  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}", batch, accum,
+  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}", batch, accum,
                      precision_name(precision), checkpointing.name(), attention_path_name(attention),
-                     optimizer_name(optimizer));
+                     optimizer_name(optimizer),
+                     world > 1 ? fmt::format(", on each of {} ranks with --shard {}", world, shard_level_name(shard))
+                               : "");
 }
 
 nlohmann::json PlanResult::to_json() const {
@@ -54,6 +58,13 @@ std::vector<int64_t> micro_batches(int64_t global) {
 PlanResult fitting_plans(const PlanRequest& r) {
   if (r.global_batch < 1) fail("--global-batch must be positive, got {}", r.global_batch);
   if (r.budget <= 0) fail("the planner needs a memory budget (--memory-budget SIZE)");
+  const int64_t world = world_size_of(r.base);
+  if (r.global_batch % world != 0) {
+    fail("--global-batch {} is not a multiple of --world-size {}: each rank trains an equal share; accepted: {} or {}",
+         r.global_batch, world, r.global_batch / world * world > 0 ? r.global_batch / world * world : world,
+         (r.global_batch / world + 1) * world);
+  }
+  const int64_t per_rank = r.global_batch / world;
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
   TrainSpec base_spec = train_spec(r.base);
   const double limit = static_cast<double>(r.budget) * (1.0 - r.margin);
@@ -62,28 +73,32 @@ PlanResult fitting_plans(const PlanRequest& r) {
   if (base_spec.caching) base_spec.budget = static_cast<int64_t>(limit);
   PlanResult out;
   out.smallest_peak = -1;
-  for (int64_t micro : micro_batches(r.global_batch)) {
+  for (int64_t micro : micro_batches(per_rank)) {
     for (Precision precision : precision_settings(r.base.precision)) {
       for (const CheckpointPolicy& checkpointing : checkpoint_settings(model.num_layers)) {
         for (AttentionPath attention : attention_settings()) {
           for (OptimizerKind optimizer : optimizer_settings(r.base.optimizer, r.allow_optimizer_change)) {
-            TrainSpec spec = base_spec;
-            spec.batch = micro;
-            spec.accum = (r.global_batch + micro - 1) / micro;
-            spec.precision = precision;
-            spec.checkpointing = checkpointing;
-            spec.attention = attention;
-            spec.optimizer = optimizer;
-            const Estimate e = estimate(model, spec);
-            const int64_t peak = e.peak_bytes;
-            const bool segments_fit = !(e.reserved && e.reserved->oom);
-            ++out.considered;
-            const Plan p{micro, spec.accum, precision, checkpointing, optimizer, attention, peak};
-            if (out.smallest_peak < 0 || peak < out.smallest_peak) {
-              out.smallest_peak = peak;
-              out.smallest_peak_plan = p.describe();
+            for (ShardLevel shard : shard_settings(world, optimizer)) {
+              TrainSpec spec = base_spec;
+              spec.batch = micro;
+              spec.accum = (per_rank + micro - 1) / micro;
+              spec.precision = precision;
+              spec.checkpointing = checkpointing;
+              spec.attention = attention;
+              spec.optimizer = optimizer;
+              spec.world = world;
+              spec.shard = shard;
+              const Estimate e = estimate(model, spec);
+              const int64_t peak = e.peak_bytes;
+              const bool segments_fit = !(e.reserved && e.reserved->oom);
+              ++out.considered;
+              const Plan p{micro, spec.accum, precision, checkpointing, optimizer, attention, shard, world, peak};
+              if (out.smallest_peak < 0 || peak < out.smallest_peak) {
+                out.smallest_peak = peak;
+                out.smallest_peak_plan = p.describe();
+              }
+              if (static_cast<double>(peak) <= limit && segments_fit) out.plans.push_back(p);
             }
-            if (static_cast<double>(peak) <= limit && segments_fit) out.plans.push_back(p);
           }
         }
       }
@@ -101,8 +116,9 @@ std::vector<Precision> precisions_of(const PlanResult& plans) {
 void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) {
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
   for (Plan& p : plans.plans) {
-    p.predicted_step_seconds =
-        cost.step_seconds(model, p.batch, r.global_batch, r.base.seq, p.precision, p.checkpointing, p.attention);
+    p.predicted_step_seconds = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
+                                                 p.checkpointing, p.attention) +
+                               cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum);
   }
   // Ties (an uncalibrated model sees only FLOPs; float sums differ in the last bits): fewer, larger
   // micro-batches, then the smaller peak.
@@ -149,7 +165,7 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
 }
 
 Plan plan_of(const RunConfig& c) {
-  return Plan{c.batch, c.accum, c.precision, c.checkpointing, c.optimizer, c.attention};
+  return Plan{c.batch, c.accum, c.precision, c.checkpointing, c.optimizer, c.attention, c.shard, world_size_of(c)};
 }
 
 RunConfig with_plan(RunConfig c, const Plan& p) {
@@ -159,6 +175,7 @@ RunConfig with_plan(RunConfig c, const Plan& p) {
   c.checkpointing = p.checkpointing;
   c.optimizer = p.optimizer;
   c.attention = p.attention;
+  c.shard = p.shard;
   c.plan_auto = false;
   return c;
 }

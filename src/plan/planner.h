@@ -27,7 +27,9 @@ struct Plan {
   CheckpointPolicy checkpointing;
   OptimizerKind optimizer = OptimizerKind::adamw;
   AttentionPath attention = AttentionPath::flash;
-  int64_t predicted_peak_bytes = 0;
+  ShardLevel shard = ShardLevel::none;
+  int64_t world = 1;  // data-parallel ranks; batch and accum are per rank
+  int64_t predicted_peak_bytes = 0;  // per rank
   double predicted_step_seconds = 0;
   double predicted_step_time_ratio = 1;  // to the best plan's
   nlohmann::json to_json() const;
@@ -37,7 +39,7 @@ struct Plan {
 
 struct PlanRequest {
   RunConfig base;            // model, overrides, seq, data, device, and the precision and optimizer asked for
-  int64_t global_batch = 0;  // sequences per optimizer step
+  int64_t global_batch = 0;  // sequences per optimizer step, over all ranks (world_size_of(base))
   int64_t budget = 0;        // bytes
   double margin = 0.05;      // kept free of the budget, for what the estimator cannot see
   bool allow_optimizer_change = false;
