@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -40,6 +41,12 @@ int report(bool json, int code, const std::string& kind, const std::string& mess
 
 int main(int argc, char** argv) {
   using namespace headroom;
+  // The binary the doctor starts as data-parallel ranks (dist/local_ranks.h): this one.
+  {
+    std::error_code ec;
+    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) ::setenv("HEADROOM_EXECUTABLE", self.c_str(), /*overwrite=*/0);
+  }
   CLI::App app{"headroom: makes Transformer training fit in accelerator memory.", "headroom"};
   app.require_subcommand(1);
   app.footer(

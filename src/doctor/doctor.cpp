@@ -6,10 +6,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
 #include <limits>
 #include <map>
 
 #include "device/cuda_adapter.h"
+#include "dist/local_ranks.h"
+#include "train/observers.h"
 #include "device/device.h"
 #include "memory/allocator_config.h"
 #include "memory/oom_report.h"
@@ -264,6 +269,7 @@ class Diagnosis {
       predict_levers();
       check_leaks();
       try_levers();
+      data_parallel_levers();
       cuda_levers();
       recommend();
     }
@@ -458,6 +464,95 @@ class Diagnosis {
         for (auto& [p, ratio] : precision_ratio_) ratio *= scale;
       }
     }
+  }
+
+  // Lever 6: the configuration on 2 local ranks (this binary started twice, rank 0 hosting the
+  // store), the global batch split between them, for each shard level: 2 steps under the budget,
+  // each rank's peak against the configuration's own. On cuda it needs a card per rank.
+  void data_parallel_levers() {
+    constexpr int kRanks = 2;
+    const std::string lever = "data parallel";
+    if (device_.is_cuda() && cuda_device_count() < kRanks) {
+      r_.levers.push_back({lever, "2 ranks", false, false, 0, 0, 0,
+                           fmt::format("not run: {} CUDA device here, lever 6 needs one per rank (estimate "
+                                       "--world-size N --shard S predicts a rank's peak)",
+                                       cuda_device_count())});
+      return;
+    }
+    RunConfig c = cfg_;
+    if (c.batch % kRanks == 0) {
+      c.batch /= kRanks;
+    } else if (c.accum % kRanks == 0) {
+      c.accum /= kRanks;
+    } else {
+      r_.levers.push_back({lever, "2 ranks", false, false, 0, 0, 0,
+                           fmt::format("not run: the global batch {} x {} does not split evenly over 2 ranks",
+                                       cfg_.batch, cfg_.accum)});
+      return;
+    }
+    for (ShardLevel level : shard_settings(kRanks, cfg_.optimizer)) {
+      c.shard = level;
+      const std::string setting = fmt::format("2 ranks, --shard {}", shard_level_name(level));
+      say("3/5 lever: data parallel, " + setting + " (this binary started twice)");
+      const std::string metrics = (std::filesystem::temp_directory_path() /
+                                   fmt::format("headroom-doctor-{}-{}.jsonl", ::getpid(), shard_level_name(level)))
+                                      .string();
+      LocalRanksResult res;
+      try {
+        res = run_local_ranks(kRanks, trial_args(c, metrics));
+      } catch (const Error& e) {
+        r_.levers.push_back({lever, setting, false, false, 0, 0, 0, std::string("not run: ") + e.what()});
+        return;
+      }
+      throw_if_interrupted("during the doctor's trials");
+      LeverTrial lt{lever, setting, true, false, 0, 0, 0,
+                    fmt::format("micro-batch {} x accum {} on each rank; peak per rank", c.batch, c.accum)};
+      const auto summary = nlohmann::json::parse(last_line(res.rank0_stdout), nullptr, false);
+      if (res.ok() && summary.is_object() && summary.contains("rank_peak_bytes")) {
+        lt.fits = true;
+        for (const int64_t p : summary.at("rank_peak_bytes").get<std::vector<int64_t>>()) {
+          lt.peak_bytes = std::max(lt.peak_bytes, p);
+        }
+        std::ifstream lines(metrics);
+        std::string first;
+        if (std::getline(lines, first) && reference_seconds_ > 0) {
+          const auto j = nlohmann::json::parse(first, nullptr, false);
+          if (j.is_object() && j.contains("seconds")) lt.step_time_ratio = j.at("seconds").get<double>() / reference_seconds_;
+        }
+      } else if (summary.is_object() && summary.contains("oom")) {
+        const auto& oom = summary.at("oom");
+        lt.peak_bytes = oom.value("in_use_bytes", int64_t{0}) + std::max<int64_t>(0, oom.value("requested_bytes", int64_t{0}));
+        lt.note += fmt::format("; out of memory on rank {}", oom.value("rank", nlohmann::json(0)).dump());
+      } else {
+        lt.applies = false;
+        lt.note = "not run: " + (res.first_error.empty() ? std::string("no result from rank 0") : res.first_error);
+        r_.levers.push_back(lt);
+        continue;
+      }
+      lt.saving_bytes = r_.measured_peak - lt.peak_bytes;
+      r_.levers.push_back(lt);
+      std::error_code ec;
+      std::filesystem::remove(metrics, ec);
+      std::filesystem::remove(rank_file(metrics, 1), ec);
+    }
+  }
+
+  // `c` as the command line of a 2-step trial of it, with its metrics at `metrics`.
+  std::vector<std::string> trial_args(const RunConfig& c, const std::string& metrics) const {
+    std::vector<std::string> a = {"train", "--model", c.model};
+    for (const auto& o : c.overrides) a.insert(a.end(), {"--set", o});
+    if (!c.data.empty()) a.insert(a.end(), {"--data", c.data});
+    a.insert(a.end(), {"--device", device_.is_cuda() ? "cuda" : "cpu", "--seed", std::to_string(c.seed), "--seq",
+                       std::to_string(c.seq), "--batch", std::to_string(c.batch), "--accum", std::to_string(c.accum),
+                       "--precision", precision_name(c.precision), "--checkpointing", c.checkpointing.name(),
+                       "--attention", attention_path_name(c.attention), "--optimizer", optimizer_name(c.optimizer),
+                       "--allocator", allocator_kind_name(c.allocator), "--memory-budget",
+                       std::to_string(budget_), "--shard", shard_level_name(c.shard), "--steps", "2", "--eval-rows",
+                       "0", "--no-guard", "--quiet", "--json", "--metrics", metrics});
+    if (!c.allocator_conf.empty()) a.insert(a.end(), {"--allocator-conf", c.allocator_conf});
+    // Two ranks share the cores: one thread each on cpu.
+    if (!device_.is_cuda()) a.insert(a.end(), {"--threads", "1"});
+    return a;
   }
 
   // Levers 10 and 7: lever 10 measured with a caching allocator (cuda, cpu caching), lever 7 on cuda.

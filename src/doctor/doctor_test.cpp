@@ -23,6 +23,7 @@ std::string run_command(const std::string& command) { return testing::run_comman
 TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   const RunConfig cfg = doctor_default();
   const int64_t budget = *cfg.memory_budget;
+  ::setenv("HEADROOM_EXECUTABLE", HEADROOM_BINARY, 1);  // the ranks of lever 6 are the CLI, not this test binary
   const DoctorReport r = run_doctor(cfg, budget, nullptr);
 
   EXPECT_TRUE(r.oom) << "the default's naive setting must not fit";
@@ -63,6 +64,19 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
     }
   }
   for (bool s : saw) EXPECT_TRUE(s);
+  // Lever 6: the configuration on 2 local ranks, half the rows each, for each shard level, run for
+  // real: each rank's peak below the one process's, and lower the more is sharded.
+  std::vector<int64_t> rank_peaks;
+  for (const LeverTrial& l : r.levers) {
+    if (l.lever != "data parallel") continue;
+    EXPECT_TRUE(l.applies && l.measured) << l.setting << ": " << l.note;
+    EXPECT_LT(l.peak_bytes, r.measured_peak) << l.setting;
+    EXPECT_GT(l.step_time_ratio, 0) << l.setting;
+    rank_peaks.push_back(l.peak_bytes);
+  }
+  ASSERT_EQ(rank_peaks.size(), 3u) << "none, optimizer, gradients";
+  EXPECT_GT(rank_peaks[0], rank_peaks[1]);
+  EXPECT_GE(rank_peaks[1], rank_peaks[2]);
   // On cpu the estimator predicts the levers and only those near the budget run for real.
   EXPECT_GT(measured, 0);
   EXPECT_GT(predicted, 0);

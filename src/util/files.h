@@ -14,5 +14,7 @@ std::string read_file(const std::string& path, std::string_view flag, int64_t ma
 
 // The first line of a possibly multi-line message (exception texts carry backtraces).
 std::string first_line(std::string_view text);
+// The last non-empty line of a text (a process's final output line).
+std::string last_line(std::string_view text);
 
 }  // namespace headroom
