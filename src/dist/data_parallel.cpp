@@ -71,6 +71,15 @@ bool DataParallel::is_matrix(const std::string& name) const {
   return false;
 }
 
+std::optional<std::pair<int64_t, int64_t>> DataParallel::slice_of(const std::string& name) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].name != name) continue;
+    if (!sharded()) return std::make_pair(int64_t{0}, slices_[i].numel);
+    return std::make_pair(slices_[i].start, slices_[i].length);
+  }
+  return std::nullopt;
+}
+
 void DataParallel::reduce_parameter(size_t i, bool zeros) {
   const c10::NoGradGuard no_grad;
   const Slice& s = slices_[i];

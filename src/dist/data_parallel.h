@@ -30,6 +30,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -56,6 +58,9 @@ class DataParallel {
   const std::vector<NamedTensor>& optimizer_parameters() const { return optimizer_params_; }
   // Whether the optimizer's tensor of this name belongs to a matrix (weight decay applies).
   bool is_matrix(const std::string& name) const;
+  // This rank's slice of the named parameter's flattened elements: {start, length} ({0, numel}
+  // unsharded); nullopt for a name that is not a parameter.
+  std::optional<std::pair<int64_t, int64_t>> slice_of(const std::string& name) const;
 
   // At the start of each micro-batch, and after its backward (gradients: the hooks' bookkeeping, and
   // the reductions the hooks left).

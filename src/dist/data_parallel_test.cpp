@@ -262,6 +262,14 @@ TEST(DataParallel, ShardedCheckpointResumesToTheSameLossSequence) {
   ASSERT_EQ(first.code, 0) << first.out;
   EXPECT_TRUE(std::filesystem::exists(ck + "/manifest.json"));
   EXPECT_TRUE(std::filesystem::exists(ck + "/rank-1-of-2.hrc"));
+  // Copies at step 2, for resuming in other layouts below.
+  for (const std::string& how : {std::string("alone"), std::string("optimizer")}) {
+    const std::string copy = dir.file("ck-" + how);
+    std::filesystem::create_directories(copy);
+    for (const char* f : {"manifest.json", "rank-0-of-2.hrc", "rank-1-of-2.hrc"}) {
+      std::filesystem::copy_file(ck + "/" + f, copy + "/" + f);
+    }
+  }
   const auto second = launch(2, HEADROOM_BINARY, common + " --resume " + ck + " --metrics " + dir.file("parts.jsonl"));
   ASSERT_EQ(second.code, 0) << second.out;
   const auto a = read_jsonl(dir.file("whole.jsonl")), b = read_jsonl(dir.file("parts.jsonl"));
@@ -269,11 +277,24 @@ TEST(DataParallel, ShardedCheckpointResumesToTheSameLossSequence) {
   ASSERT_EQ(b.size(), 4u);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].at("loss"), b[i].at("loss")) << "step " << i + 1;
 
-  // Another world size, or a lone process, is refused with what to do.
-  const auto alone = run_command(std::string(HEADROOM_BINARY) + " train --device cpu --model tiny --steps 4 --seq 32 "
-                                 "--batch 2 --eval-rows 0 --quiet --resume " + ck + " 2>&1");
-  EXPECT_EQ(alone.code, kExitUsage);
-  EXPECT_THAT(alone.out, ::testing::HasSubstr("is sharded (2 ranks, --shard gradients)"));
+  // A lone process (the same global batch: 4 rows) resumes it too, the optimizer state put together
+  // from the ranks' slices; and so do 2 ranks at another shard level. The same losses, to rounding.
+  for (const std::string& how : {std::string("alone"), std::string("optimizer")}) {
+    SCOPED_TRACE(how);
+    const std::string copy = dir.file("ck-" + how);
+    const std::string metrics = dir.file(how + ".jsonl");
+    const std::string args = "train --device cpu --model tiny --steps 4 --seq 32 --eval-rows 0 --quiet --resume " +
+                             copy + " --metrics " + metrics;
+    const auto r = how == "alone"
+                       ? run_command(fmt::format("env OMP_NUM_THREADS=1 {} {} --batch 4 2>&1", HEADROOM_BINARY, args))
+                       : launch(2, HEADROOM_BINARY, args + " --batch 2 --shard optimizer");
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto c = read_jsonl(metrics);
+    ASSERT_EQ(c.size(), 2u);
+    for (size_t i = 0; i < c.size(); ++i) {
+      EXPECT_NEAR(c[i].at("loss").get<double>(), a[i + 2].at("loss").get<double>(), 1e-5) << "step " << i + 3;
+    }
+  }
 }
 
 // Two ranks launched by hand (rank 0 hosts the store); rank 1 is killed or stopped once training

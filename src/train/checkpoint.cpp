@@ -132,9 +132,13 @@ CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<NamedTe
 
 namespace {
 
-CheckpointInfo read_checkpoint(const std::string& path, const std::vector<NamedTensor>& model,
-                               const std::vector<NamedTensor>& optimizer) {
-  std::ifstream in(path, std::ios::binary);
+// A checkpoint file's verified footer, and where its tensor data ends.
+struct Footer {
+  nlohmann::json json;
+  uint64_t data_end = 0;
+};
+
+Footer read_footer(std::ifstream& in, const std::string& path) {
   if (!in) fail("--resume: no checkpoint at '{}' (expected a directory written by --checkpoint)", path);
   in.seekg(0, std::ios::end);
   const auto size = static_cast<uint64_t>(in.tellg());
@@ -166,6 +170,25 @@ CheckpointInfo read_checkpoint(const std::string& path, const std::vector<NamedT
   if (footer.is_discarded() || footer.value("format", "") != (v1 ? kFormatV1 : kFormat)) {
     fail("--resume: '{}' has an unreadable header (corrupt, or written by another version)", path);
   }
+  return {footer, size - trailer - length};
+}
+
+CheckpointInfo info_of(const nlohmann::json& footer) {
+  CheckpointInfo info;
+  info.step = footer.at("step");
+  info.seed = footer.at("seed");
+  info.total_steps = footer.at("total_steps");
+  info.optimizer = footer.value("optimizer", "");
+  info.model = footer.at("model");
+  return info;
+}
+
+CheckpointInfo read_checkpoint(const std::string& path, const std::vector<NamedTensor>& model,
+                               const std::vector<NamedTensor>& optimizer) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("--resume: no checkpoint at '{}' (expected a directory written by --checkpoint)", path);
+  const Footer f = read_footer(in, path);
+  const nlohmann::json& footer = f.json;
 
   std::map<std::pair<std::string, std::string>, at::Tensor> wanted;
   for (const auto& t : model) wanted[{"model", t.name}] = t.tensor;
@@ -193,7 +216,7 @@ CheckpointInfo read_checkpoint(const std::string& path, const std::vector<NamedT
     }
     at::Tensor buffer = at::empty(shape, target.options().device(at::kCPU));
     const uint64_t off = entry.at("offset"), n = entry.at("bytes");
-    if (n != buffer.nbytes() || off + n > size - trailer - length) {
+    if (n != buffer.nbytes() || off + n > f.data_end) {
       fail("--resume: '{}' is corrupt (bad offsets)", path);
     }
     in.seekg(static_cast<std::streamoff>(off));
@@ -204,15 +227,37 @@ CheckpointInfo read_checkpoint(const std::string& path, const std::vector<NamedT
     }
     target.copy_(buffer);
   }
-  CheckpointInfo info;
-  info.step = footer.at("step");
-  info.seed = footer.at("seed");
-  info.total_steps = footer.at("total_steps");
-  info.optimizer = footer.value("optimizer", "");
-  info.model = footer.at("model");
-  return info;
+  return info_of(footer);
 }
 
 }  // namespace
+
+CheckpointTensors read_checkpoint_tensors(const std::string& dir, std::optional<CheckpointShard> shard) {
+  const std::string path = checkpoint_file(dir, shard);
+  try {
+    nlohmann::json footer;
+    {
+      std::ifstream in(path, std::ios::binary);
+      if (!in) fail("--resume: no checkpoint at '{}' (expected a directory written by --checkpoint)", path);
+      footer = read_footer(in, path).json;
+    }
+    // Tensors of the shapes and dtypes the footer names, then read (and verified) into them.
+    CheckpointTensors out;
+    for (const auto& entry : footer.at("tensors")) {
+      const std::string dtype = entry.at("dtype");
+      std::optional<c10::ScalarType> type;
+      for (c10::ScalarType t : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble, at::kLong, at::kInt}) {
+        if (dtype == c10::toString(t)) type = t;
+      }
+      if (!type) fail("--resume: '{}' holds a tensor of dtype '{}', which headroom does not write", path, dtype);
+      NamedTensor t{entry.at("name"), at::empty(entry.at("shape").get<std::vector<int64_t>>(), at::dtype(*type))};
+      (entry.at("group") == "model" ? out.model : out.optimizer).push_back(t);
+    }
+    out.info = read_checkpoint(path, out.model, out.optimizer);
+    return out;
+  } catch (const nlohmann::json::exception& e) {
+    fail("--resume: '{}' is corrupt (its header is malformed: {})", path, e.what());
+  }
+}
 
 }  // namespace headroom

@@ -13,8 +13,9 @@
 // DIR/rank-R-of-N.hrc, in the same format (the full weights, and that rank's slices of the optimizer
 // state), then — after every rank has written its own — rank 0 writes DIR/manifest.json naming the
 // world size, the shard level and the step, atomically: a set of files is a checkpoint once the
-// manifest says so. Resuming needs the same world size and shard level. An unsharded data-parallel
-// run writes DIR/checkpoint.hrc from rank 0 alone, which any world size can resume.
+// manifest says so. The same world size and shard level load their own files; any other layout is
+// re-sharded by the trainer from read_checkpoint_tensors(). An unsharded data-parallel run writes
+// DIR/checkpoint.hrc from rank 0 alone.
 #pragma once
 
 #include <cstdint>
@@ -62,6 +63,14 @@ void check_checkpoint_dir(const std::string& dir, const std::string& flag = "--c
 
 void save_checkpoint(const std::string& dir, const CheckpointInfo& info, const std::vector<NamedTensor>& model,
                      const std::vector<NamedTensor>& optimizer, std::optional<CheckpointShard> shard = std::nullopt);
+
+// Every tensor of DIR's checkpoint file (a rank's, for a sharded one), read and verified as
+// load_checkpoint does: what re-sharding to another world size starts from.
+struct CheckpointTensors {
+  CheckpointInfo info;
+  std::vector<NamedTensor> model, optimizer;
+};
+CheckpointTensors read_checkpoint_tensors(const std::string& dir, std::optional<CheckpointShard> shard = std::nullopt);
 
 // Reads DIR's checkpoint and copies its tensors into `model` and `optimizer`, which must have the
 // same names and shapes (i.e. the same architecture and optimizer).

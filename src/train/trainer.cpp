@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -51,28 +52,84 @@ std::string config_difference(const nlohmann::json& a, const nlohmann::json& b) 
 
 // Loads --resume's checkpoint into the run, checking that it belongs to this run; returns the
 // number of steps it had completed.
+// A checkpoint of another layout (written by another number of ranks, or another shard level, or
+// unsharded into a sharded run): the weights from its first file (every file holds them whole);
+// each optimizer state tensor put together whole from the files' slices, in rank order, then cut to
+// this rank's slice. Every rank reads every file.
+CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& manifest) {
+  const std::string& dir = run.config.resume;
+  const int files = manifest ? manifest->ranks : 1;
+  std::vector<CheckpointTensors> parts;
+  for (int k = 0; k < files; ++k) {
+    parts.push_back(read_checkpoint_tensors(
+        dir, manifest ? std::optional<CheckpointShard>(CheckpointShard{k, files}) : std::nullopt));
+    if (manifest && parts.back().info.step != manifest->step) {
+      fail("--resume: '{}' is at step {} but its manifest says step {}: a save was cut short; the files do not form "
+           "one checkpoint",
+           checkpoint_file(dir, CheckpointShard{k, files}), parts.back().info.step, manifest->step);
+    }
+  }
+  const CheckpointInfo& info = parts.front().info;
+  const std::string wanted = optimizer_name(run.config.optimizer);
+  if (!info.optimizer.empty() && info.optimizer != wanted) {
+    fail("--resume: the checkpoint was trained with --optimizer {}, this run has --optimizer {}; pass --optimizer {}",
+         info.optimizer, wanted, info.optimizer);
+  }
+  const c10::NoGradGuard no_grad;
+  auto find = [](const std::vector<NamedTensor>& list, const std::string& name) -> const at::Tensor* {
+    for (const auto& t : list) {
+      if (t.name == name) return &t.tensor;
+    }
+    return nullptr;
+  };
+  for (const auto& p : run.parameters()) {
+    const at::Tensor* w = find(parts.front().model, p.name);
+    if (w == nullptr || !w->sizes().equals(p.tensor.sizes())) {
+      fail("--resume: '{}' has no weight '{}' of this run's shape: it was written for a different model", dir, p.name);
+    }
+    p.tensor.detach().copy_(*w);
+  }
+  for (const auto& s : run.optimizer->state()) {
+    std::vector<at::Tensor> pieces;
+    for (const auto& part : parts) {
+      if (const at::Tensor* t = find(part.optimizer, s.name)) pieces.push_back(t->reshape(-1));
+    }
+    if (pieces.empty()) fail("--resume: '{}' holds no optimizer state '{}'; it was written for another model", dir, s.name);
+    at::Tensor target = s.tensor;
+    if (target.dim() == 0) {  // a step counter: the same on every rank that holds the parameter
+      target.copy_(pieces.front().reshape({}));
+      continue;
+    }
+    const std::string param = s.name.substr(0, s.name.rfind('.'));
+    const auto slice = run.replicas ? run.replicas->slice_of(param)
+                                    : std::optional<std::pair<int64_t, int64_t>>({0, target.numel()});
+    const at::Tensor whole = at::cat(pieces);
+    if (!slice || slice->first + slice->second > whole.numel() || slice->second != target.numel()) {
+      fail("--resume: optimizer state '{}' in '{}' does not cover its parameter ({} elements): a different model",
+           s.name, dir, whole.numel());
+    }
+    target.view(-1).copy_(whole.narrow(0, slice->first, slice->second));
+  }
+  if (!run.config.quiet && run.rank() == 0) {
+    fmt::print(stderr, "note: re-sharded the checkpoint of {} to {} rank{} with --shard {}\n",
+               manifest ? fmt::format("{} ranks (--shard {})", manifest->ranks, manifest->shard)
+                        : std::string("one process"),
+               run.ranks(), run.ranks() == 1 ? "" : "s", shard_level_name(run.config.shard));
+  }
+  return info;
+}
+
 CheckpointInfo load_for_resume(Run& run) {
   const RunConfig& cfg = run.config;
   const std::optional<ShardManifest> manifest = read_shard_manifest(cfg.resume);
-  if (!(run.replicas && run.replicas->sharded())) {
-    if (manifest && !std::filesystem::exists(checkpoint_file(cfg.resume))) {
-      fail("--resume: the checkpoint in '{}' is sharded ({} ranks, --shard {}); resume it under torchrun "
-           "--nproc-per-node {} with --shard {} (re-sharding to another world size is not supported yet)",
-           cfg.resume, manifest->ranks, manifest->shard, manifest->ranks, manifest->shard);
-    }
+  const bool sharded = run.replicas && run.replicas->sharded();
+  const char* level = shard_level_name(cfg.shard);
+  if (!sharded) {
+    // The whole state in checkpoint.hrc, or a sharded checkpoint put together again.
+    if (manifest && !std::filesystem::exists(checkpoint_file(cfg.resume))) return load_resharded(run, manifest);
     return load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state());
   }
-  const char* level = shard_level_name(cfg.shard);
-  if (!manifest) {
-    fail("--resume: '{}' holds no sharded checkpoint (no manifest.json); a checkpoint of --shard none "
-         "(checkpoint.hrc) resumes with --shard none at any world size",
-         cfg.resume);
-  }
-  if (manifest->ranks != run.ranks() || manifest->shard != level) {
-    fail("--resume: the checkpoint in '{}' was written by {} ranks with --shard {}, this run has {} ranks with --shard "
-         "{}; resume with the same (re-sharding to another world size is not supported yet)",
-         cfg.resume, manifest->ranks, manifest->shard, run.ranks(), level);
-  }
+  if (!manifest || manifest->ranks != run.ranks() || manifest->shard != level) return load_resharded(run, manifest);
   const CheckpointInfo info = load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state(),
                                               CheckpointShard{run.rank(), run.ranks()});
   if (info.step != manifest->step) {
@@ -257,6 +314,10 @@ TrainResult train(const RunConfig& cfg) {
   const auto resumed_at = cfg.resume.empty() ? std::nullopt : std::optional<int64_t>(start);
   const auto observers = make_observers(run, start, resumed_at);
   if (!cfg.quiet && run.rank() == 0) announce(run, start);
+  if (!cfg.quiet && !run.comm && cfg.shard != ShardLevel::none) {
+    fmt::print(stderr, "note: --shard {} has no effect in a lone process; launch ranks with torchrun --nproc-per-node N\n",
+               shard_level_name(cfg.shard));
+  }
 
   const auto started = Clock::now();
   const int64_t end = cfg.end_step();
