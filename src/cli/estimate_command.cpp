@@ -45,11 +45,14 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
         fmt::print("{}\n", dump_json(j));
       } else {
         fmt::print(
-            "{} ({}, {:.3f}B params), batch {} x accum {} x seq {}, {}, {}, checkpointing {}, attention {}, "
-            "on {}\n\n{}",
+            "{} ({}, {:.3f}B params), batch {} x accum {}{} x seq {}, {}, {}, checkpointing {}, attention {}, "
+            "on {}{}\n\n{}",
             model.name, family_name(model.family), static_cast<double>(e.params) / 1e9, spec.batch, spec.accum,
-            spec.seq, precision_name(spec.precision), optimizer_name(spec.optimizer), spec.checkpointing.name(),
-            attention_path_name(spec.attention), spec.cuda ? "cuda" : "cpu", e.table());
+            spec.world > 1 ? fmt::format(" x {} ranks", spec.world) : "", spec.seq, precision_name(spec.precision),
+            optimizer_name(spec.optimizer), spec.checkpointing.name(), attention_path_name(spec.attention),
+            spec.cuda ? "cuda" : "cpu",
+            spec.world > 1 ? fmt::format("; per rank (rank 0), --shard {}", shard_level_name(spec.shard)) : "",
+            e.table());
         if (budget) {
           if (e.reserved && e.reserved->oom && e.peak_bytes <= *budget) {
             fmt::print("\ndoes NOT fit the budget of {}: live bytes would, but the caching allocator's segments "

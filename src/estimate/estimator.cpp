@@ -418,6 +418,9 @@ Estimate StepSim::run() {
       formula = "float32 row and column second moments per matrix, full ones per vector, step counters";
       break;
   }
+  if (sharded() && s_.optimizer != OptimizerKind::sgd) {
+    formula += fmt::format(", of this rank's slices (ceil(n / {}) elements of each parameter)", s_.world);
+  }
   const int st = mem_.label("optimizer state", Category::optimizer, formula);
   const int working =
       mem_.label("optimizer working memory", Category::optimizer,

@@ -145,13 +145,9 @@ GuardedStep OomGuard::run(int64_t step) {
       run_.monitor->abort_step();
       report.live_after_cleanup = run_.probe->live_bytes();
     }
+    // Every rank acts on the agreed outcome; a rank that failed itself keeps its own report.
     const Action action = action_of(code);
-    if (replicas && rank_of(code) != run_.rank() && !report.elsewhere) {
-      // This rank failed too, but another's outcome was worse: it acts on that one.
-      report.rank = rank_of(code);
-    }
     if (action == Action::give_up) {
-      if (replicas && rank_of(code) != run_.rank()) report.elsewhere = true;
       g.oom = report;
       return g;
     }
