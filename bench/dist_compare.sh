@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lever 6 against PyTorch's own: per-rank peak memory (resident set, from /usr/bin/time around each
-# rank) and tokens/s of headroom's --shard none|optimizer|gradients next to DDP and FSDP2 training
+# rank) and tokens/s of headroom's --shard none|optimizer|gradients|full next to DDP and FSDP2 training
 # the same architecture (bench/tiny_model.py) with the same per-rank batch on 2 cpu ranks, in one run.
 # headroom's own counted tensor peak per rank is printed too. Run from the repository root after a
 # build:  bash bench/dist_compare.sh [layers=4] [hidden=1024] [steps=6]
@@ -19,7 +19,7 @@ rss() {  # the largest rank's peak RSS, bytes
 }
 printf '%-22s %14s %16s %10s\n' "2 cpu ranks, tiny x$LAYERS @ $HIDDEN" "peak RSS/rank" "tensors/rank" "tok/s"
 declare -A RSS TOK
-for level in none optimizer gradients; do
+for level in none optimizer gradients full; do
   "$TORCHRUN" --standalone --nproc-per-node $N --no-python sh -c \
     "exec /usr/bin/time -f %M -o $W/rss.\$RANK build/headroom train --device cpu --model tiny $sets --batch $B --seq $T \
      --steps $STEPS --eval-rows 0 --quiet --json --shard $level --metrics $W/m.jsonl" > "$W/out.json" 2>/dev/null
@@ -41,9 +41,13 @@ for impl in ddp fsdp2; do
   TOK[$impl]=$("$PY" -c "import json,sys; print(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['tokens_per_s'])" "$W/py.json")
   printf '%-22s %14s %16s %10s\n' "pytorch $impl" "${RSS[$impl]}" "-" "${TOK[$impl]}"
 done
-"$PY" - "${RSS[none]}" "${RSS[ddp]}" "${RSS[gradients]}" "${RSS[fsdp2]}" "${TOK[none]}" "${TOK[ddp]}" "${TOK[gradients]}" "${TOK[fsdp2]}" <<'PY'
+"$PY" - "${RSS[none]}" "${RSS[ddp]}" "${RSS[gradients]}" "${RSS[full]}" "${RSS[fsdp2]}" \
+  "${TOK[none]}" "${TOK[ddp]}" "${TOK[gradients]}" "${TOK[full]}" "${TOK[fsdp2]}" <<'PY'
 import sys
 r = [float(x) for x in sys.argv[1:]]
-print(f"peak RSS ratio: headroom none / DDP {r[0] / r[1]:.3f}; headroom gradients / FSDP2 {r[2] / r[3]:.3f}")
-print(f"tokens/s ratio: headroom none / DDP {r[4] / r[5]:.3f}; headroom gradients / FSDP2 {r[6] / r[7]:.3f}")
+# FSDP2's fully_shard shards the parameters too: headroom's full is its like; gradients for reference.
+print(f"peak RSS ratio: headroom none / DDP {r[0] / r[1]:.3f}; full / FSDP2 {r[3] / r[4]:.3f}; "
+      f"gradients / FSDP2 {r[2] / r[4]:.3f}")
+print(f"tokens/s ratio: headroom none / DDP {r[5] / r[6]:.3f}; full / FSDP2 {r[8] / r[9]:.3f}; "
+      f"gradients / FSDP2 {r[7] / r[9]:.3f}")
 PY

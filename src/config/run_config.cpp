@@ -181,8 +181,9 @@ const std::vector<RunField>& run_fields() {
            "twice the accumulation (same data), down to micro-batch 1",
            &RunConfig::no_guard),
       choice("shard",
-             "under torchrun: none (data parallel), optimizer (ZeRO-1: optimizer state split over the ranks) or "
-             "gradients (ZeRO-2: gradients too); --batch is per rank, the global batch is batch x accum x ranks",
+             "under torchrun: none (data parallel), optimizer (ZeRO-1: optimizer state split over the ranks), "
+             "gradients (ZeRO-2: gradients too) or full (ZeRO-3: weights too, gathered a layer at a time); --batch "
+             "is per rank, the global batch is batch x accum x ranks",
              &RunConfig::shard, &parse_shard_level),
       integer("world-size",
               "data-parallel ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, "
@@ -350,9 +351,6 @@ void validate(const RunConfig& c) {
   if (c.world_size < 0 || c.world_size > 65536) fail("--world-size must be 1 to 65536, got {}", c.world_size);
   if (c.dist_timeout <= 0 || c.dist_timeout > 86400) {
     fail("--dist-timeout must be 1 to 86400 seconds, got {}", c.dist_timeout);
-  }
-  if (c.shard == ShardLevel::full) {
-    fail("--shard full (ZeRO-3: weights split too) is not built yet; accepted: none, optimizer or gradients");
   }
   if (c.shard != ShardLevel::none && c.optimizer == OptimizerKind::adafactor) {
     fail("--shard {} with --optimizer adafactor is not supported (its factored state is per matrix, not per "

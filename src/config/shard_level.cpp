@@ -18,7 +18,7 @@ ShardLevel parse_shard_level(const std::string& text) {
   for (ShardLevel s : kShardLevels) {
     if (text == shard_level_name(s)) return s;
   }
-  fail("--shard '{}': accepted: none, optimizer or gradients (full, ZeRO-3, is not built yet)", text);
+  fail("--shard '{}': accepted: none, optimizer, gradients or full", text);
 }
 
 }  // namespace headroom

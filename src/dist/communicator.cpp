@@ -130,6 +130,13 @@ void Communicator::run(const char* op, F&& start) {
   try {
     c10::intrusive_ptr<c10d::Work> work = start();
     work->wait(timeout_);
+  } catch (const c10::OutOfMemoryError& e) {
+    // The collective's own buffers: the others are inside it already, so the ranks cannot replay
+    // the step together; this rank ends, and they learn of it at once (its connections close).
+    fail(
+        "rank {}: out of memory inside a {} (its own buffers), which the ranks cannot recover from together: {}; "
+        "accepted: a smaller --batch, or more memory",
+        env_.rank, op, what_of(e));
   } catch (const std::exception& e) {
     fail("rank {}: lost contact with the other ranks during {} (timeout {} s): {}; another rank has failed or "
          "was stopped — its own output says why",

@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <unordered_map>
 
 #include "device/grad_hook_adapter.h"
+#include "device/storage_adapter.h"
+#include "util/error.h"
 
 namespace headroom {
 namespace {
@@ -14,9 +17,15 @@ int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(
 }  // namespace
 
 DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& params, ShardLevel level,
-                           int64_t bucket_bytes)
-    : comm_(comm), params_(params), level_(level), bucket_bytes_(bucket_bytes) {
-  TORCH_CHECK(level != ShardLevel::full, "DataParallel: --shard full is not built");
+                           std::vector<int> units, std::vector<at::Tensor> slices, int64_t bucket_bytes)
+    : comm_(comm),
+      params_(params),
+      level_(level),
+      bucket_bytes_(bucket_bytes),
+      weight_slices_(std::move(slices)),
+      units_(std::move(units)) {
+  TORCH_CHECK(level != ShardLevel::full || units_.size() == params_.size(),
+              "DataParallel: --shard full needs the unit of every parameter");
   const int64_t n_ranks = comm.size(), r = comm.rank();
   int64_t offset = 0;
   for (const auto& p : params_) {
@@ -38,12 +47,32 @@ DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& p
   shard_grads_ = at::zeros({offset}, params_.front().tensor.options().requires_grad(false));
   for (size_t i = 0; i < params_.size(); ++i) {
     const Slice& s = slices_[i];
+    at::Tensor view;
+    if (level_ != ShardLevel::full) {
+      view = params_[i].tensor.detach().view(-1).narrow(0, s.start, s.length);
+    } else {
+      // The slice in memory of its own (kept while the model was built, or cut here); the
+      // parameter lets its memory go until gathered.
+      if (weight_slices_.size() < params_.size()) {
+        weight_slices_.push_back(weight_slice(params_[i].tensor, static_cast<int>(r), static_cast<int>(n_ranks)));
+      }
+      view = weight_slices_[i];
+      TORCH_CHECK(view.numel() == s.length, "DataParallel: the kept slice of ", params_[i].name, " has ", view.numel(),
+                  " elements, not ", s.length);
+      release_storage(params_[i].tensor);
+    }
     if (s.length == 0) continue;
-    at::Tensor view = params_[i].tensor.detach().view(-1).narrow(0, s.start, s.length);
     view.mutable_grad() = shard_grads_.narrow(0, s.buffer_offset, s.length);
     optimizer_params_.push_back({params_[i].name, view});
   }
-  if (level_ == ShardLevel::gradients) {
+  if (level_ == ShardLevel::full) {
+    const int n_units = 1 + *std::max_element(units_.begin(), units_.end());
+    unit_params_.resize(static_cast<size_t>(n_units));
+    for (size_t i = 0; i < params_.size(); ++i) unit_params_[static_cast<size_t>(units_[i])].push_back(i);
+    gathered_.assign(unit_params_.size(), false);
+    arrived_.assign(unit_params_.size(), 0);
+  }
+  if (reduces_in_backward()) {
     ready_.assign(params_.size(), false);
     for (size_t i = 0; i < params_.size(); ++i) {
       set_gradient_accumulated_hook(params_[i].tensor, [this, i](const at::Tensor&) {
@@ -53,15 +82,27 @@ DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& p
         while (next_ < params_.size() && ready_[params_.size() - 1 - next_]) {
           reduce_parameter(params_.size() - 1 - next_, /*zeros=*/false);
         }
+        // full: backward is done with a unit once all its gradients are in.
+        if (level_ == ShardLevel::full) {
+          const auto unit = static_cast<size_t>(units_[i]);
+          if (++arrived_[unit] == unit_params_[unit].size()) release(static_cast<int>(unit));
+        }
       });
     }
   }
 }
 
 DataParallel::~DataParallel() {
-  if (level_ == ShardLevel::gradients) {
+  if (reduces_in_backward()) {
     for (const auto& p : params_) clear_gradient_accumulated_hook(p.tensor);
   }
+}
+
+at::Tensor DataParallel::weight_slice(const at::Tensor& param, int rank, int ranks) {
+  const c10::NoGradGuard no_grad;
+  const int64_t n = param.numel(), c = (n + ranks - 1) / ranks;
+  const int64_t start = std::min(rank * c, n);
+  return param.detach().reshape(-1).narrow(0, start, std::min(c, n - start)).clone();
 }
 
 bool DataParallel::is_matrix(const std::string& name) const {
@@ -95,31 +136,122 @@ void DataParallel::reduce_parameter(size_t i, bool zeros) {
   }
   at::Tensor output = at::empty({s.chunk}, shard_grads_.options());
   comm_.reduce_scatter(output, input);
-  if (level_ == ShardLevel::gradients) ++next_;
+  if (reduces_in_backward()) ++next_;
+  if (level_ == ShardLevel::full) issued_.push_back({false, i});
   shard_grads_.narrow(0, s.buffer_offset, s.chunk).add_(output);
   if (!zeros) param.mutable_grad().reset();
 }
 
 void DataParallel::begin_micro_batch() {
-  if (level_ != ShardLevel::gradients) return;
+  if (!reduces_in_backward()) return;
   std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(arrived_.begin(), arrived_.end(), 0);
+  issued_.clear();
   next_ = 0;
   in_backward_ = true;
 }
 
-void DataParallel::end_backward() {
-  if (level_ != ShardLevel::gradients) return;
+void DataParallel::reduce_remaining() {
   in_backward_ = false;
-  // Parameters that got no gradient this time still take part, with zeros.
   while (next_ < params_.size()) reduce_parameter(params_.size() - 1 - next_, /*zeros=*/true);
 }
 
+void DataParallel::end_backward() {
+  if (!reduces_in_backward()) return;
+  // Parameters that got no gradient this time still take part, with zeros.
+  reduce_remaining();
+  release_all();
+  if (level_ == ShardLevel::full) pattern_ = issued_;
+}
+
 void DataParallel::abandon_backward() {
-  if (level_ == ShardLevel::gradients) {
+  if (level_ == ShardLevel::full) {
     in_backward_ = false;
-    while (next_ < params_.size()) reduce_parameter(params_.size() - 1 - next_, /*zeros=*/true);
+    release_all();  // what the failed forward or backward had gathered
+    const bool prefix =
+        issued_.size() <= pattern_.size() && std::equal(issued_.begin(), issued_.end(), pattern_.begin());
+    if (pattern_.empty() || !prefix) {
+      zero_grad();
+      fail(
+          "rank {}: out of memory at --shard full {}, so the other ranks' collectives cannot be matched to "
+          "recover together; accepted: a smaller --batch, or --shard gradients",
+          comm_.rank(),
+          pattern_.empty() ? "before any micro-batch had completed" : "in a micro-batch unlike the ones before");
+    }
+    // The rest of the micro-batch's collectives, with zeros, in the order the others issue them.
+    for (size_t k = issued_.size(); k < pattern_.size(); ++k) {
+      const Collective c = pattern_[k];
+      if (c.gather) {
+        gather_zeros(c.param);
+      } else {
+        reduce_parameter(c.param, /*zeros=*/true);
+      }
+    }
+  } else if (reduces_in_backward()) {
+    reduce_remaining();
   }
   zero_grad();  // the step is lost: what was reduced into the shard included it
+}
+
+void DataParallel::gather_zeros(size_t param) {
+  const c10::NoGradGuard no_grad;
+  const int64_t chunk = slices_[param].chunk;
+  at::Tensor output = at::empty({chunk * comm_.size()}, shard_grads_.options());
+  at::Tensor input = at::zeros({chunk}, shard_grads_.options());
+  comm_.allgather(output, input);
+}
+
+void DataParallel::begin_forward() { issued_.clear(); }
+
+void DataParallel::abandon_forward() {
+  if (level_ != ShardLevel::full) return;
+  release_all();
+  std::vector<size_t> order;  // a forward's gathers: unit 0's parameters, then each layer's
+  for (const auto& unit : unit_params_) order.insert(order.end(), unit.begin(), unit.end());
+  for (size_t k = issued_.size(); k < order.size(); ++k) gather_zeros(order[k]);
+}
+
+void DataParallel::gather(int unit) {
+  const auto u = static_cast<size_t>(unit);
+  if (gathered_.at(u)) return;
+  const c10::NoGradGuard no_grad;
+  for (size_t i : unit_params_[u]) {
+    const Slice& s = slices_[i];
+    restore_storage(params_[i].tensor);
+    // Written through an alias autograd does not track: the values come back unchanged, and
+    // backward's saved references to the parameter must not see a modification.
+    at::Tensor flat = untracked_flat(params_[i].tensor);
+    at::Tensor input = weight_slices_[i];
+    if (s.length != s.chunk) {
+      input = at::zeros({s.chunk}, flat.options());
+      input.narrow(0, 0, s.length).copy_(weight_slices_[i]);
+    }
+    allgather_into(flat, input, s);
+    issued_.push_back({true, i});
+  }
+  gathered_[u] = true;
+}
+
+void DataParallel::forward_done(int unit) {
+  // Backward starts with the head (unit 0) right after the forward: keep it when one will follow.
+  if (unit == 0 && c10::GradMode::is_enabled()) return;
+  release(unit);
+}
+
+void DataParallel::release(int unit) {
+  const auto u = static_cast<size_t>(unit);
+  if (!gathered_.at(u)) return;
+  for (size_t i : unit_params_[u]) release_storage(params_[i].tensor);
+  gathered_[u] = false;
+}
+
+void DataParallel::release_all() {
+  // Every parameter, not only the units marked gathered: a gather cut short by an OOM leaves some.
+  if (level_ != ShardLevel::full) return;
+  for (const auto& p : params_) {
+    if (storage_present(p.tensor)) release_storage(p.tensor);
+  }
+  std::fill(gathered_.begin(), gathered_.end(), false);
 }
 
 int DataParallel::agree(int code) {
@@ -207,21 +339,25 @@ double DataParallel::clip_grad_norm(double max_norm) {
 }
 
 void DataParallel::gather_parameters() {
-  if (!sharded()) return;
+  if (!sharded() || level_ == ShardLevel::full) return;  // full: the slices are the weights
   const c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Slice& s = slices_[i];
     at::Tensor flat = params_[i].tensor.detach().view(-1);
     at::Tensor input = at::empty({s.chunk}, flat.options());
     if (s.length > 0) input.narrow(0, 0, s.length).copy_(flat.narrow(0, s.start, s.length));
-    if (s.chunk * comm_.size() == s.numel) {
-      comm_.allgather(flat, input);
-    } else {
-      at::Tensor output = at::empty({s.chunk * comm_.size()}, flat.options());
-      comm_.allgather(output, input);
-      flat.copy_(output.narrow(0, 0, s.numel));
-    }
+    allgather_into(flat, input, s);
   }
+}
+
+void DataParallel::allgather_into(at::Tensor& flat, at::Tensor& chunk, const Slice& s) {
+  if (s.chunk * comm_.size() == s.numel) {
+    comm_.allgather(flat, chunk);
+    return;
+  }
+  at::Tensor output = at::empty({s.chunk * comm_.size()}, flat.options());  // N chunks overrun the parameter
+  comm_.allgather(output, chunk);
+  flat.copy_(output.narrow(0, 0, s.numel));
 }
 
 void DataParallel::zero_grad() {
@@ -232,6 +368,13 @@ void DataParallel::zero_grad() {
 std::vector<at::Tensor> DataParallel::gradient_buffers() const {
   if (!sharded()) return {};
   return {shard_grads_};
+}
+
+std::vector<NamedTensor> DataParallel::checkpoint_weights() const {
+  if (level_ != ShardLevel::full) return params_;
+  std::vector<NamedTensor> out;
+  for (size_t i = 0; i < params_.size(); ++i) out.push_back({params_[i].name, weight_slices_[i]});
+  return out;
 }
 
 }  // namespace headroom

@@ -20,31 +20,51 @@
 //              To keep every rank's collectives in the same order whatever order autograd finishes
 //              parameters in, reductions are issued in a fixed order (last parameter first), a
 //              finished parameter waiting for those before it; end_backward() issues the rest.
-//   full       (ZeRO-3) not built yet: refused by make_run.
+//   full       (ZeRO-3) as gradients, and the weights are sharded too: rank r keeps only slice r of
+//              each parameter, in memory of its own, which the optimizer updates; the parameters
+//              themselves hold no memory (device/storage_adapter.h) except while the model uses them.
+//              The model asks for each unit (model/parameter_gate.h: the embeddings and head, or one
+//              layer) before its forward, and each layer again before its backward; a unit is
+//              all-gathered from the ranks' slices then, and let go after its forward (the
+//              embeddings and head stay, backward starts with the head) and once backward has
+//              accumulated all its gradients. A rank's weights are its slices and at most the
+//              embeddings, the head and one layer in full.
 //
 // The ranks agree after every micro-batch (agree()): a rank that ran out of memory completes the
 // micro-batch's remaining collectives with zeros (abandon_backward) so that no one waits forever,
-// and all of them then act on the worst outcome together (train/oom_guard.h).
+// and all of them then act on the worst outcome together (train/oom_guard.h). At full the gathers
+// interleave with the reductions in an order autograd decides — the same on every rank and in every
+// micro-batch, but known only once one has run: each micro-batch's collectives are recorded, and a
+// rank that failed part-way issues the rest of the last complete one's. The trainer runs a one-row
+// rehearsal micro-batch first (train/step.h), so that even the first real one can be recovered.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "config/shard_level.h"
 #include "dist/communicator.h"
+#include "model/parameter_gate.h"
 #include "util/named_tensor.h"
 
 namespace headroom {
 
-class DataParallel {
+class DataParallel final : private ParameterGate {
  public:
+  // At full only: `units`, the unit of each parameter (CausalLM::parameter_units()); `slices`, this
+  // rank's slice of each parameter kept while the model was built (weight_slice(), through
+  // CausalLM's KeepParameter), or empty to cut them from the parameters here.
   DataParallel(Communicator& comm, const std::vector<NamedTensor>& params, ShardLevel level,
+               std::vector<int> units = {}, std::vector<at::Tensor> slices = {},
                int64_t bucket_bytes = int64_t{25} << 20);
+  // Rank `rank` of `ranks`'s slice of a parameter's flattened elements, in memory of its own: elements
+  // [r·c, min((r+1)·c, n)) with c = ceil(n / ranks).
+  static at::Tensor weight_slice(const at::Tensor& param, int rank, int ranks);
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -52,9 +72,15 @@ class DataParallel {
   ShardLevel level() const { return level_; }
   Communicator& comm() { return comm_; }
   bool sharded() const { return level_ != ShardLevel::none; }
+  // Gradients reduce-scattered during backward (gradients, full).
+  bool reduces_in_backward() const { return level_ == ShardLevel::gradients || level_ == ShardLevel::full; }
+
+  // full: what the model's forward asks for its parameters (null at the other levels).
+  ParameterGate* gate() { return level_ == ShardLevel::full ? this : nullptr; }
 
   // What the optimizer updates: the parameters themselves (none), else this rank's non-empty slices,
-  // 1-D views into the parameters named as them, whose .grad is their part of the shard buffer.
+  // named as their parameters, whose .grad is their part of the shard buffer: 1-D views into the
+  // parameters (optimizer, gradients), the rank's own weight slices (full).
   const std::vector<NamedTensor>& optimizer_parameters() const { return optimizer_params_; }
   // Whether the optimizer's tensor of this name belongs to a matrix (weight decay applies).
   bool is_matrix(const std::string& name) const;
@@ -67,8 +93,15 @@ class DataParallel {
   void begin_micro_batch();
   void end_backward();
   // After a failed micro-batch, on the rank that failed: the collectives its backward still owed,
-  // with zero contributions; then every gradient (the shard's too) is dropped.
+  // with zero contributions; then every gradient (the shard's too) is dropped. Throws Error at full
+  // when no micro-batch has completed yet (the others' collectives are not known).
   void abandon_backward();
+  // A forward without backward (evaluation) starts; after one that failed on this rank, the gathers
+  // (full) it still owed, with zeros — a forward's are every unit's parameters in unit order.
+  void begin_forward();
+  void abandon_forward();
+  // full: whether a micro-batch has completed, so that a failed one can be replayed to the others.
+  bool knows_collective_order() const { return level_ != ShardLevel::full || !pattern_.empty(); }
   // Every rank passes its outcome code; all get the largest (0: all well).
   int agree(int code);
   double sum(double value);
@@ -87,6 +120,11 @@ class DataParallel {
   void zero_grad();
   // Memory this class holds across steps (the shard gradient buffer), for the monitor's gradients.
   std::vector<at::Tensor> gradient_buffers() const;
+  // full: the rank's weight slices, for the monitor's weights (empty at the other levels).
+  const std::vector<at::Tensor>& weight_slices() const { return weight_slices_; }
+  // What a checkpoint holds of the weights: the parameters, or at full this rank's slice of each,
+  // 1-D and named as its parameter.
+  std::vector<NamedTensor> checkpoint_weights() const;
 
  private:
   struct Slice {
@@ -96,7 +134,15 @@ class DataParallel {
     bool matrix = false;
   };
   void reduce_parameter(size_t i, bool zeros);
+  // The ranks' chunks (this one's: `chunk`, s.chunk elements) into the flattened parameter `flat`.
+  void allgather_into(at::Tensor& flat, at::Tensor& chunk, const Slice& s);
+  void reduce_remaining();  // gradients, full: the reductions this backward has not issued, with zeros
   void allreduce_buckets();
+  void gather(int unit) override;
+  void forward_done(int unit) override;
+  void release(int unit);
+  void release_all();
+  void gather_zeros(size_t param);  // a gather of the parameter with nothing of this rank's in it
 
   Communicator& comm_;
   std::vector<NamedTensor> params_;
@@ -108,6 +154,19 @@ class DataParallel {
   std::vector<bool> ready_;    // gradients: accumulated this backward, not yet reduced
   size_t next_ = 0;            // gradients: reductions issued this backward (in the fixed order)
   bool in_backward_ = false;
+  // full
+  std::vector<at::Tensor> weight_slices_;         // per parameter: this rank's slice, its own memory
+  std::vector<int> units_;                        // per parameter: its unit
+  std::vector<std::vector<size_t>> unit_params_;  // per unit: its parameters
+  std::vector<bool> gathered_;                    // per unit: its parameters hold their values
+  std::vector<size_t> arrived_;                   // per unit: gradients accumulated this backward
+  struct Collective {
+    bool gather = false;  // an all-gather of the parameter's weights, else a reduce-scatter of its gradient
+    size_t param = 0;
+    bool operator==(const Collective&) const = default;
+  };
+  std::vector<Collective> issued_;   // this micro-batch's, in order
+  std::vector<Collective> pattern_;  // the last complete micro-batch's
 };
 
 }  // namespace headroom

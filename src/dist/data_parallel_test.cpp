@@ -6,17 +6,17 @@
 //
 // The weights come from this test binary itself, launched by torchrun as the worker
 // (DataParallelWorker.DISABLED_TrainsAndSavesItsWeights, which only runs when asked for by name).
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "config/run_config.h"
 #include "model/causal_lm.h"
@@ -68,6 +68,11 @@ std::vector<float> train_weights(const RunConfig& cfg) {
     if (g.oom) throw std::runtime_error("step ran out of memory");
     run.monitor->end_step();
   }
+  // --shard full: the parameters hold nothing between uses; gathered whole from the ranks' slices.
+  if (ParameterGate* gate = run.replicas ? run.replicas->gate() : nullptr) {
+    const std::vector<int> units = run.model->parameter_units();
+    for (int u = 0; u <= *std::max_element(units.begin(), units.end()); ++u) gate->gather(u);
+  }
   std::vector<at::Tensor> flat;
   for (const auto& p : run.parameters()) flat.push_back(p.tensor.detach().reshape(-1).to(at::kFloat));
   const at::Tensor all = at::cat(flat).contiguous();
@@ -99,6 +104,12 @@ testing::CommandResult launch(int ranks, const std::string& program, const std::
                               const std::string& env = "") {
   return run_command(fmt::format("env OMP_NUM_THREADS=1 {} {} --standalone --no-python --nproc-per-node {} {} {} 2>&1",
                                  env, torchrun(), ranks, program, args));
+}
+
+// The start of a command line running the CLI on 2 local ranks.
+std::string torchrun_prefix() {
+  return fmt::format("env OMP_NUM_THREADS=1 {} --standalone --no-python --nproc-per-node 2 {}", torchrun(),
+                     HEADROOM_BINARY);
 }
 
 std::string self() { return std::filesystem::read_symlink("/proc/self/exe").string(); }
@@ -148,14 +159,26 @@ TEST(DataParallel, GradientShardedRanksAgreeBitwiseAndMatchOneProcess) {
   expect_agreement(train_both_ways(std::string(kTiny) + ";shard=gradients", 2));
 }
 
+TEST(DataParallel, FullyShardedRanksAgreeBitwiseAndMatchOneProcess) {
+  expect_agreement(train_both_ways(std::string(kTiny) + ";shard=full", 2));
+}
+
+// Each layer checkpointed: backward recomputes a layer's forward, which must find its weights gathered.
+TEST(DataParallel, FullyShardedWithCheckpointedLayersMatchesOneProcess) {
+  expect_agreement(train_both_ways(std::string(kTiny) + ";shard=full;checkpointing=full", 2));
+}
+
 // gpt2's real widths and vocabulary, at one layer: tied embeddings (one tensor used twice, whose
 // gradient is complete only at the end of backward), dropout off so that one process and two ranks
 // draw nothing differently.
 TEST(DataParallel, TiedGpt2AgreesWhenGradientsAreSharded) {
   const std::string gpt2 =
       "model=gpt2;set=n_layer=1;set=embd_pdrop=0;set=attn_pdrop=0;set=resid_pdrop=0;steps=2;seq=16;"
-      "optimizer=momentum;lr=0.01;shard=gradients";
-  expect_agreement(train_both_ways(gpt2, 1));
+      "optimizer=momentum;lr=0.01;shard=";
+  for (const char* level : {"gradients", "full"}) {
+    SCOPED_TRACE(level);
+    expect_agreement(train_both_ways(gpt2 + level, 1));
+  }
 }
 
 // AdamW (the default) with its state sharded: the loss sequence of one process on the same global batch.
@@ -183,6 +206,14 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
   const ModelConfig mc = load_model_config(cfg.model, cfg.overrides);
   const CausalLM model(mc, at::TensorOptions().dtype(at::kFloat), 1);
   int64_t weights = 0, chunks = 0, slices0 = 0, slices1 = 0, owned0 = 0, owned1 = 0;
+  // --shard full gathers a unit at a time: the embeddings and head (unit 0), or one layer.
+  std::map<int, int64_t> unit_bytes;
+  const std::vector<int> units = model.parameter_units();
+  for (size_t i = 0; i < units.size(); ++i) unit_bytes[units[i]] += 4 * model.parameters()[i].tensor.numel();
+  int64_t largest_layer = 0;
+  for (const auto& [unit, bytes] : unit_bytes) {
+    if (unit > 0) largest_layer = std::max(largest_layer, bytes);
+  }
   for (const auto& p : model.parameters()) {
     const int64_t n = p.tensor.numel(), c = (n + 1) / 2;
     weights += 4 * n;
@@ -196,7 +227,7 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
   const int64_t full_state = 8 * weights / 4 + 4 * static_cast<int64_t>(model.parameters().size());
   const int64_t state0 = 8 * slices0 + 4 * owned0, state1 = 8 * slices1 + 4 * owned1;
 
-  for (const char* level : {"none", "optimizer", "gradients"}) {
+  for (const char* level : {"none", "optimizer", "gradients", "full"}) {
     SCOPED_TRACE(level);
     TempDir dir;
     const auto r = launch(2, HEADROOM_BINARY,
@@ -210,6 +241,23 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
     EXPECT_EQ(m0.back().at("rank"), 0);
     EXPECT_EQ(m1.back().at("rank"), 1);
     const std::string l = level;
+    if (l == "full") {
+      // Between uses a rank holds its slices: 4 B × its elements; while the forward runs, the
+      // embeddings and head too, and at most one layer besides.
+      for (const int64_t rank : {0, 1}) {
+        const auto& m = rank == 0 ? m0 : m1;
+        const int64_t slices = 4 * (rank == 0 ? slices0 : slices1);
+        const auto& update = m.back().at("phases").at("optimizer").at("breakdown");
+        EXPECT_EQ(update.at("weights"), slices) << "rank " << rank;
+        EXPECT_EQ(update.at("gradients"), chunks) << "rank " << rank;
+        const int64_t forward = m.back().at("phases").at("forward").at("breakdown").at("weights");
+        EXPECT_GE(forward, slices + unit_bytes[0]) << "rank " << rank;
+        EXPECT_LE(forward, slices + unit_bytes[0] + largest_layer) << "rank " << rank;
+      }
+      EXPECT_EQ(m0.back().at("phases").at("optimizer").at("breakdown").at("optimizer"), state0);
+      EXPECT_EQ(m1.back().at("phases").at("optimizer").at("breakdown").at("optimizer"), state1);
+      continue;
+    }
     for (const auto* m : {&m0, &m1}) {
       const auto& backward = m->back().at("phases").at("backward").at("breakdown");
       EXPECT_EQ(backward.at("weights"), weights);
@@ -227,14 +275,16 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
 }
 
 // `estimate --world-size 2 --shard S` against rank peaks measured on 2 ranks: gpt2's widths and
-// vocabulary at two layers (tied embeddings), and tiny (llama, untied) at its four.
+// vocabulary at two layers (tied embeddings), pythia-160m's at one (gpt_neox, an untied head of
+// gpt2's size, whose reduce-scatter makes the peak), and tiny (llama, untied) at its four.
 TEST(DataParallel, EstimatePerRankPeakWithinThreePercentOfTheMeasuredOne) {
   struct Case {
     std::string model;
     int64_t batch;
   };
-  for (const Case& c : {Case{"--model gpt2 --set n_layer=2", 1}, Case{"--model tiny", 2}}) {
-    for (const char* level : {"none", "optimizer", "gradients"}) {
+  for (const Case& c : {Case{"--model gpt2 --set n_layer=2", 1},
+                        Case{"--model pythia-160m --set num_hidden_layers=1", 1}, Case{"--model tiny", 2}}) {
+    for (const char* level : {"none", "optimizer", "gradients", "full"}) {
       SCOPED_TRACE(c.model + " --shard " + level);
       const std::string shape = fmt::format("{} --batch {} --seq 32 --device cpu --shard {}", c.model, c.batch, level);
       const auto e = run_command(fmt::format("{} estimate {} --world-size 2 --json", HEADROOM_BINARY, shape));
@@ -297,6 +347,55 @@ TEST(DataParallel, ShardedCheckpointResumesToTheSameLossSequence) {
   }
 }
 
+// --shard full: each rank's file holds its slices of the weights. The same layout resumes to the
+// identical losses; one process puts the weights together from the slices; a checkpoint of whole
+// weights (--shard gradients) resumes at full, each rank cutting its slices out of them.
+TEST(DataParallel, FullyShardedCheckpointResumesInEveryLayout) {
+  TempDir dir;
+  const std::string common = "train --device cpu --model tiny --steps 4 --seq 32 --eval-rows 0 --quiet";
+  const std::string full = common + " --batch 2 --shard full";
+  const auto whole = launch(2, HEADROOM_BINARY, full + " --metrics " + dir.file("whole.jsonl"));
+  ASSERT_EQ(whole.code, 0) << whole.out;
+  const std::string ck = dir.file("ck"), ck_alone = dir.file("ck-alone"), ck_grads = dir.file("ck-grads");
+  const auto first = launch(2, HEADROOM_BINARY, full + " --stop-at 2 --checkpoint " + ck);
+  ASSERT_EQ(first.code, 0) << first.out;
+  std::filesystem::create_directories(ck_alone);
+  for (const char* f : {"manifest.json", "rank-0-of-2.hrc", "rank-1-of-2.hrc"}) {
+    std::filesystem::copy_file(ck + "/" + f, ck_alone + "/" + f);
+  }
+  const auto grads =
+      launch(2, HEADROOM_BINARY, common + " --batch 2 --shard gradients --stop-at 2 --checkpoint " + ck_grads);
+  ASSERT_EQ(grads.code, 0) << grads.out;
+  // A rank's file is about half the size of one holding the whole weights (the optimizer state is
+  // sliced at both levels).
+  EXPECT_LT(std::filesystem::file_size(ck + "/rank-0-of-2.hrc"),
+            std::filesystem::file_size(ck_grads + "/rank-0-of-2.hrc") * 9 / 10);
+
+  const auto a = read_jsonl(dir.file("whole.jsonl"));
+  ASSERT_EQ(a.size(), 4u);
+  struct Resume {
+    std::string name, command;
+    double tolerance;
+  };
+  const std::vector<Resume> resumes = {
+      {"full", fmt::format("{} {} --resume {}", torchrun_prefix(), full, ck), 0.0},
+      {"alone", fmt::format("env OMP_NUM_THREADS=1 {} {} --batch 4 --resume {}", HEADROOM_BINARY, common, ck_alone),
+       1e-5},
+      {"gradients into full", fmt::format("{} {} --resume {}", torchrun_prefix(), full, ck_grads), 1e-5},
+  };
+  for (const Resume& r : resumes) {
+    SCOPED_TRACE(r.name);
+    const std::string metrics = dir.file(r.name + ".jsonl");
+    const auto out = run_command(r.command + " --metrics '" + metrics + "' 2>&1");
+    ASSERT_EQ(out.code, 0) << out.out;
+    const auto c = read_jsonl(metrics);
+    ASSERT_EQ(c.size(), 2u);
+    for (size_t i = 0; i < c.size(); ++i) {
+      EXPECT_NEAR(c[i].at("loss").get<double>(), a[i + 2].at("loss").get<double>(), r.tolerance) << "step " << i + 3;
+    }
+  }
+}
+
 // Two ranks launched by hand (rank 0 hosts the store); rank 1 is killed or stopped once training
 // runs, and rank 0 must end with one line saying so, well within its timeout.
 void expect_peer_loss_ends_the_other(const char* signal) {
@@ -330,23 +429,32 @@ TEST(DataParallel, AKilledRankEndsTheOtherWithAnError) { expect_peer_loss_ends_t
 TEST(DataParallel, AStoppedRankEndsTheOtherAtTheTimeout) { expect_peer_loss_ends_the_other("STOP"); }
 
 // An OOM on one rank only: every rank runs the step again with half the micro-batch, and the
-// result is the run without the OOM.
+// result is the run without the OOM. At full the failed rank replays the rest of the micro-batch's
+// gathers and reductions, whose order it knows from the step before, or in the first step from the
+// rehearsal.
 TEST(DataParallel, AnOomOnOneRankIsRecoveredByAllTogether) {
-  for (const char* level : {"none", "gradients"}) {
-    SCOPED_TRACE(level);
+  struct Case {
+    const char* level;
+    int step;
+  };
+  for (const Case c : {Case{"none", 2}, Case{"gradients", 2}, Case{"full", 2}, Case{"full", 1}}) {
+    SCOPED_TRACE(fmt::format("--shard {}, step {}", c.level, c.step));
     TempDir dir;
     const std::string common = fmt::format(
-        "train --device cpu --model tiny --steps 3 --seq 32 --batch 4 --eval-rows 0 --quiet --json --shard {}", level);
+        "train --device cpu --model tiny --steps 3 --seq 32 --batch 4 --eval-rows 0 --quiet --json --shard {}",
+        c.level);
     const auto clean = launch(2, HEADROOM_BINARY, common + " --metrics " + dir.file("a.jsonl"));
-    const auto hit = launch(2, HEADROOM_BINARY, common + " --inject-oom 2:60@1 --metrics " + dir.file("b.jsonl"));
+    const auto hit = launch(2, HEADROOM_BINARY,
+                            fmt::format("{} --inject-oom {}:60@1 --metrics {}", common, c.step, dir.file("b.jsonl")));
     ASSERT_EQ(clean.code, 0) << clean.out;
     ASSERT_EQ(hit.code, 0) << hit.out;
     const auto a = read_jsonl(dir.file("a.jsonl")), b = read_jsonl(dir.file("b.jsonl"));
     const auto b1 = read_jsonl(dir.file("b.rank1.jsonl"));
     ASSERT_EQ(b.size(), 3u);
-    EXPECT_EQ(b[1].at("oom_recoveries"), 1);
-    EXPECT_EQ(b[1].at("batch"), 2);  // on both ranks
-    EXPECT_EQ(b1[1].at("batch"), 2);
+    const auto k = static_cast<size_t>(c.step - 1);
+    EXPECT_EQ(b[k].at("oom_recoveries"), 1);
+    EXPECT_EQ(b[k].at("batch"), 2);  // on both ranks
+    EXPECT_EQ(b1[k].at("batch"), 2);
     EXPECT_NEAR(b.back().at("loss").get<double>(), a.back().at("loss").get<double>(), 1e-5);
   }
 }

@@ -63,6 +63,18 @@ class StepSim : sim::Ops {
 
   // Data parallel (dist/data_parallel.cpp, step for step).
   bool sharded() const { return s_.world > 1 && s_.shard != ShardLevel::none; }
+  // gradients, full: each gradient reduce-scattered during backward; full: the weights sharded too.
+  bool reduces_in_backward() const {
+    return s_.world > 1 && (s_.shard == ShardLevel::gradients || s_.shard == ShardLevel::full);
+  }
+  bool fully_sharded() const { return s_.world > 1 && s_.shard == ShardLevel::full; }
+  // full (model/parameter_gate.h, as DataParallel does it): a unit's parameters all-gathered, let go.
+  void gather(int unit);
+  void release(int unit);
+  void forward_done(int unit) {
+    if (unit != 0 || !g_->grad_mode()) release(unit);
+  }
+  Tensor gate_backward(const Tensor& x, int unit);
   int64_t chunk(int64_t numel) const { return (numel + s_.world - 1) / s_.world; }
   void reduce_scatter(size_t i, bool zeros);
   void gradient_ready(size_t i);
@@ -98,6 +110,13 @@ class StepSim : sim::Ops {
   Ref shard_;            // sharded: this rank's reduced gradients, one chunk per parameter
   std::vector<bool> ready_;  // gradients: accumulated this backward, not yet reduced
   size_t next_ = 0;          // gradients: reductions issued this backward (last parameter first)
+  // full
+  std::vector<Ref> slices_;  // per parameter (order_): rank 0's weight slice
+  std::vector<int> units_;   // per parameter (order_): its unit
+  std::vector<std::vector<size_t>> unit_params_;
+  std::vector<std::vector<Ref>> gathered_;  // per unit: its parameters in full, while gathered
+  std::vector<size_t> arrived_;             // per unit: gradients accumulated this backward
+  int gathered_lbl_ = -1;
 };
 
 Tensor StepSim::attention_block(int64_t layer, const Tensor& x, const Tensor& cos, const Tensor& sin) {
@@ -220,6 +239,7 @@ Tensor StepSim::forward(int64_t rows) {
   const int64_t t = s_.seq, tokens = rows * t, h = c_.hidden_size;
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
   const Param& embed = p("embed_tokens.weight");
+  if (fully_sharded()) gather(0);
   Tensor x = embedding(embed, tokens, ew_, res_lbl);
   if (c_.learned_positions) {
     const Param& pos = p("embed_positions.weight");
@@ -239,15 +259,23 @@ Tensor StepSim::forward(int64_t rows) {
     sin = make(t * rd, 4, lbl, false);
   }
   for (int64_t i = 0; i < c_.num_layers; ++i) {
+    const int unit = 1 + static_cast<int>(i);
+    if (fully_sharded()) gather(unit);
     if (s_.checkpointing.whole_layer(i) && g_->grad_mode()) {
       x = checkpointed([this, i, cos, sin](const Tensor& in) { return block(i, in, cos, sin, false); }, x);
     } else {
       x = block(i, x, cos, sin, s_.checkpointing.attention_only());
     }
+    if (fully_sharded()) {
+      forward_done(unit);
+      x = gate_backward(x, unit);
+    }
   }
   x = norm(x, p("final_norm.weight"), maybe("final_norm.bias"));
   const int logits_lbl = mem_.label("logits", Category::logits, "B·T·vocab in the matmul dtype");
-  return linear(x, c_.tie_word_embeddings ? embed : p("lm_head.weight"), nullptr, logits_lbl);
+  Tensor logits = linear(x, c_.tie_word_embeddings ? embed : p("lm_head.weight"), nullptr, logits_lbl);
+  if (fully_sharded()) forward_done(0);
+  return logits;
 }
 
 void StepSim::micro_batch(int64_t rows) {
@@ -256,8 +284,9 @@ void StepSim::micro_batch(int64_t rows) {
   const int loss_lbl = mem_.label("loss buffers", Category::loss,
                                   "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient");
   mem_.set_phase(Phase::data);
-  if (s_.shard == ShardLevel::gradients && s_.world > 1) {
+  if (reduces_in_backward()) {
     ready_.assign(order_.size(), false);
+    std::fill(arrived_.begin(), arrived_.end(), 0);
     next_ = 0;
   }
   Ref batch = mem_.allocate(rows * (t + 1) * 8, batch_lbl);
@@ -290,11 +319,12 @@ void StepSim::reduce_scatter(size_t i, bool zeros) {
   Ref input = (!grad || c * s_.world != n) ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
   Ref output = mem_.allocate(c * ew_, comm_);
   if (!s_.cuda) {
-    // Gloo reduce-scatters by reducing a copy of the whole input and copying this rank's chunk out
-    // of it: both transient, measured at the input's and the output's size.
-    Ref copy = mem_.allocate(c * s_.world * ew_, comm_), chunk_out = mem_.allocate(c * ew_, comm_);
+    // Gloo reduce-scatters by reducing a flat copy of the whole input and copying this rank's chunk
+    // out of it into the output: one transient of the input's size (measured: gpt_neox's untied
+    // 50304 x 768 head at 2 ranks; no second, chunk-sized one).
+    Ref copy = mem_.allocate(c * s_.world * ew_, comm_);
   }
-  if (s_.shard == ShardLevel::gradients) ++next_;
+  if (reduces_in_backward()) ++next_;
   if (!zeros) prm.t.slot->grad.reset();
   output.reset();
   input.reset();
@@ -303,11 +333,41 @@ void StepSim::reduce_scatter(size_t i, bool zeros) {
 void StepSim::gradient_ready(size_t i) {
   ready_[i] = true;
   while (next_ < order_.size() && ready_[order_.size() - 1 - next_]) reduce_scatter(order_.size() - 1 - next_, false);
+  if (fully_sharded()) {
+    const auto unit = static_cast<size_t>(units_[i]);
+    if (++arrived_[unit] == unit_params_[unit].size()) release(static_cast<int>(unit));
+  }
 }
 
 void StepSim::finish_backward() {
-  if (s_.shard != ShardLevel::gradients) return;
+  if (!reduces_in_backward()) return;
   while (next_ < order_.size()) reduce_scatter(order_.size() - 1 - next_, true);
+  for (size_t u = 0; u < gathered_.size(); ++u) release(static_cast<int>(u));
+}
+
+void StepSim::gather(int unit) {
+  auto& held = gathered_.at(static_cast<size_t>(unit));
+  if (!held.empty()) return;
+  for (size_t i : unit_params_[static_cast<size_t>(unit)]) {
+    const int64_t n = params_.at(order_[i]).t.numel, c = chunk(n);
+    held.push_back(mem_.allocate(n * ew_, gathered_lbl_));
+    // The slice padded to a whole chunk unless it is one, and the padded result unless it is the parameter.
+    Ref input = c != std::min(c, n) ? mem_.allocate(c * ew_, comm_) : nullptr;
+    Ref output = c * s_.world != n ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
+  }
+}
+
+void StepSim::release(int unit) { gathered_.at(static_cast<size_t>(unit)).clear(); }
+
+Tensor StepSim::gate_backward(const Tensor& x, int unit) {
+  if (!x.requires_grad() || !g_->grad_mode()) return x;
+  // An identity whose backward gathers the layer first; its output a view of x.
+  Tensor y = g_->alias(x, x.numel);
+  g_->record({&y}, {}, [this, unit, x = meta(x)](const std::vector<Ref>& in) {
+    gather(unit);
+    return std::vector<Emit>{pass_to(x, in[0])};
+  });
+  return y;
 }
 
 void StepSim::allreduce_buckets() {
@@ -364,7 +424,8 @@ void StepSim::setup() {
     prm.cols = np.tensor.dim() == 2 ? np.tensor.size(1) : 0;
     prm.t.numel = np.tensor.numel();
     prm.t.elem = ew_;
-    prm.t.buf = mem_.allocate(prm.t.numel * ew_, weights_);
+    // full: the parameter holds nothing between uses; the rank's slice is its weight (below).
+    if (!fully_sharded()) prm.t.buf = mem_.allocate(prm.t.numel * ew_, weights_);
     prm.t.slot = std::make_shared<sim::GradSlot>();
     prm.t.slot->numel = prm.t.numel;
     prm.t.slot->elem = ew_;
@@ -392,10 +453,30 @@ void StepSim::setup() {
                                                   "elements × {} B",
                                                   s_.world, ew_)));
   }
-  if (s_.shard == ShardLevel::gradients && s_.world > 1) {
+  if (reduces_in_backward()) {
     for (size_t i = 0; i < order_.size(); ++i) {
       params_.at(order_[i]).t.slot->on_accumulated = [this, i] { gradient_ready(i); };
     }
+  }
+  if (fully_sharded()) {
+    const int slice_lbl =
+        mem_.label("weight slices", Category::weights,
+                   fmt::format("this rank's slice of each parameter: ceil(n / {}) elements × {} B", s_.world, ew_));
+    gathered_lbl_ = mem_.label("gathered weights", Category::weights,
+                               "parameters all-gathered while in use: the embeddings and head, and one layer");
+    const std::vector<int> units = shapes_->parameter_units();
+    const std::vector<NamedTensor>& named = shapes_->parameters();
+    for (const auto& name : order_) {
+      const int64_t n = params_.at(name).t.numel;
+      slices_.push_back(mem_.allocate(std::min(chunk(n), n) * ew_, slice_lbl));
+      for (size_t k = 0; k < named.size(); ++k) {
+        if (named[k].name == name) units_.push_back(units[k]);
+      }
+    }
+    unit_params_.resize(static_cast<size_t>(1 + *std::max_element(units_.begin(), units_.end())));
+    for (size_t i = 0; i < order_.size(); ++i) unit_params_[static_cast<size_t>(units_[i])].push_back(i);
+    gathered_.resize(unit_params_.size());
+    arrived_.assign(unit_params_.size(), 0);
   }
 }
 
@@ -490,7 +571,7 @@ Estimate StepSim::run() {
       }
     }
   }
-  if (sharded()) gather_parameters();
+  if (sharded() && !fully_sharded()) gather_parameters();
   mem_.set_phase(Phase::zero_grad);
   for (auto& [name, prm] : params_) prm.t.slot->grad.reset();
 

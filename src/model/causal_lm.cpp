@@ -1,23 +1,26 @@
 #include "model/causal_lm.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
 
 #include <cmath>
 
+#include "device/storage_adapter.h"
 #include "util/error.h"
 
 namespace headroom {
 
 at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> shape) {
   at::Tensor t = at::empty(shape, options_);
+  if (release_ && !options_.device().is_meta()) release_storage(t);  // memory again only to be initialised
   params_.push_back({name, t});
   return t;
 }
 
-CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed)
-    : config_(config), options_(options), rotary_(config) {
+CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed,
+                   const KeepParameter& keep)
+    : config_(config), options_(options), release_(static_cast<bool>(keep)), rotary_(config) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
   const int64_t q_dim = c.num_heads * c.head_dim;
@@ -79,7 +82,14 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
     if (is_norm && !is_bias) cpu.fill_(1.0);
     else if (is_bias) cpu.zero_();
     else cpu.normal_(0.0, is_residual_proj ? proj_std : std_dev, gen);
+    if (!keep) {
+      t.copy_(cpu);
+      continue;
+    }
+    restore_storage(t);
     t.copy_(cpu);
+    keep({name, t});
+    release_storage(t);
   }
   for (auto& [name, t] : params_) t.requires_grad_(true);
 }
@@ -89,6 +99,17 @@ std::vector<at::Tensor> CausalLM::parameter_tensors() const {
   out.reserve(params_.size());
   for (const auto& p : params_) out.push_back(p.tensor);
   return out;
+}
+
+std::vector<int> CausalLM::parameter_units() const {
+  std::vector<int> units;
+  units.reserve(params_.size());
+  for (const auto& p : params_) {
+    int unit = 0;
+    if (p.name.rfind("layers.", 0) == 0) unit = 1 + std::stoi(p.name.substr(7, p.name.find('.', 7) - 7));
+    units.push_back(unit);
+  }
+  return units;
 }
 
 int64_t CausalLM::num_parameters() const {
@@ -183,6 +204,8 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
   if (t > config_.max_positions) {
     fail("sequence length {} exceeds the model's max_position_embeddings {}", t, config_.max_positions);
   }
+  ParameterGate* gate = o.gate;
+  if (gate) gate->gather(0);
   at::Tensor x = at::embedding(embed_, input_ids);
   if (config_.learned_positions) {
     x = x + at::embedding(pos_embed_, at::arange(t, input_ids.options()));
@@ -192,6 +215,8 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
   if (!config_.learned_positions) std::tie(cos, sin) = rotary_.tables(t, x.device());
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer* l = &layers_[i];
+    const int unit = 1 + static_cast<int>(i);
+    if (gate) gate->gather(unit);
     if (o.checkpoint.whole_layer(static_cast<int64_t>(i)) && c10::GradMode::is_enabled()) {
       ForwardOptions inner = o;
       inner.checkpoint = {};  // nothing nested inside a checkpointed layer
@@ -199,9 +224,15 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
     } else {
       x = block(*l, x, cos, sin, o);
     }
+    if (gate) {
+      gate->forward_done(unit);
+      x = gate_backward(x, gate, unit);  // backward finds the layer's parameters in place again
+    }
   }
   x = norm(x, final_norm_w_, final_norm_b_);
-  return at::linear(x, head_);
+  at::Tensor logits = at::linear(x, head_);
+  if (gate) gate->forward_done(0);
+  return logits;
 }
 
 }  // namespace headroom

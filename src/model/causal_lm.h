@@ -10,12 +10,14 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "config/model_config.h"
 #include "model/attention.h"
 #include "model/checkpointing.h"
+#include "model/parameter_gate.h"
 #include "model/rotary.h"
 #include "util/named_tensor.h"
 
@@ -25,6 +27,7 @@ struct ForwardOptions {
   AttentionPath attention = AttentionPath::flash;
   bool training = true;         // dropout on
   CheckpointPolicy checkpoint;  // applies only while gradients are being recorded
+  ParameterGate* gate = nullptr;  // ZeRO-3: where the parameters are kept between uses (null: in place)
 };
 
 class CausalLM {
@@ -32,7 +35,11 @@ class CausalLM {
   // Weights are initialised from `seed` as Hugging Face does (normal(0, initializer_range), biases
   // zero, norm weights one; gpt2's residual projections scaled by 1/sqrt(2 * layers)) on the CPU,
   // then moved to options.device(), so the same seed gives the same model on every device.
-  CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed);
+  // `keep` (ZeRO-3): called with each parameter once initialised, in registration order, after which
+  // the parameter lets its memory go (device/storage_adapter.h) — what the callback keeps of it is
+  // all that remains, and at most one parameter is ever whole.
+  using KeepParameter = std::function<void(const NamedTensor&)>;
+  CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed, const KeepParameter& keep = {});
 
   // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
   // dtype.
@@ -42,6 +49,9 @@ class CausalLM {
   const std::vector<NamedTensor>& parameters() const { return params_; }
   std::vector<at::Tensor> parameter_tensors() const;
   int64_t num_parameters() const;
+  // The unit of each of parameters() (model/parameter_gate.h): 0 for the embeddings, the final norm
+  // and the head, 1 + i for layer i.
+  std::vector<int> parameter_units() const;
 
  private:
   struct Layer {
@@ -63,6 +73,7 @@ class CausalLM {
 
   ModelConfig config_;
   at::TensorOptions options_;
+  bool release_ = false;  // parameters hold memory only while initialised (a KeepParameter was given)
   Rotary rotary_;
   std::vector<NamedTensor> params_;
   at::Tensor embed_, pos_embed_, final_norm_w_, final_norm_b_, head_;

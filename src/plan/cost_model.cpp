@@ -114,11 +114,18 @@ double CostModel::communication_seconds(const ModelConfig& model, Precision prec
       collectives = std::ceil(bytes / static_cast<double>(int64_t{25} << 20));
       break;
     case ShardLevel::optimizer:
-    case ShardLevel::gradients:
-    case ShardLevel::full: {
+    case ShardLevel::gradients: {
+      // Reduce-scatters (once, or every micro-batch), then one all-gather of the updated weights.
       const double reductions = shard == ShardLevel::optimizer ? 1.0 : static_cast<double>(accum);
       volume = (reductions + 1) * part * bytes;
       collectives = (reductions + 1) * static_cast<double>(model.num_layers * 10 + 4);  // about 10 tensors a layer
+      break;
+    }
+    case ShardLevel::full: {
+      // Every micro-batch: the weights all-gathered for forward and again for backward, and the
+      // gradients reduce-scattered.
+      volume = 3 * static_cast<double>(accum) * part * bytes;
+      collectives = 3 * static_cast<double>(accum) * static_cast<double>(model.num_layers * 10 + 4);
       break;
     }
   }

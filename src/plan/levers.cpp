@@ -32,7 +32,7 @@ std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers) {
 
 std::vector<ShardLevel> shard_settings(int64_t world, OptimizerKind optimizer) {
   if (world <= 1 || optimizer == OptimizerKind::adafactor) return {ShardLevel::none};
-  return {ShardLevel::none, ShardLevel::optimizer, ShardLevel::gradients};
+  return {ShardLevel::none, ShardLevel::optimizer, ShardLevel::gradients, ShardLevel::full};
 }
 
 std::vector<AttentionPath> attention_settings() { return {AttentionPath::flash, AttentionPath::math}; }

@@ -23,8 +23,8 @@ std::vector<Precision> precision_settings(Precision given);
 // none, selective, every:4 and every:2 where the model is deeper than that, full.
 std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers);
 std::vector<AttentionPath> attention_settings();
-// Shard levels for `world` data-parallel ranks: none alone for one rank; else none, optimizer and
-// gradients (full is not built), and only none for adafactor (its state does not shard by slice).
+// Shard levels for `world` data-parallel ranks: none alone for one rank; else none, optimizer,
+// gradients and full, and only none for adafactor (its state does not shard by slice).
 std::vector<ShardLevel> shard_settings(int64_t world, OptimizerKind optimizer);
 // The optimizers from the given one: only it, or (allow_change) every kind, the given one first.
 std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change);

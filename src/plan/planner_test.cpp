@@ -81,6 +81,49 @@ TEST(Planner, OtherOptimizersOnlyWhenAllowedAndNothingFittingIsExplained) {
   EXPECT_NE(none.smallest_peak_plan.find("micro-batch 1"), std::string::npos) << none.smallest_peak_plan;
 }
 
+// Lever 6 at llama-3.2-1b's real widths, vocabulary and depth (tied embeddings), on 2 ranks: a
+// budget between what --shard full and --shard gradients need per rank leaves only full plans; with
+// room for both, full (three times the traffic) ranks behind gradients.
+TEST(Planner, ShardsTheWeightsOnlyWhenNothingLessFits) {
+  RunConfig base;
+  base.model = "llama-3.2-1b";
+  base.seq = 32;
+  base.device = "cpu";
+  base.world_size = 2;
+  base.batch = 1;
+  auto peak_at = [&](ShardLevel level) {
+    RunConfig c = base;
+    c.shard = level;
+    return estimate(load_model_config(c.model, c.overrides), train_spec(c)).peak_bytes;
+  };
+  const int64_t full = peak_at(ShardLevel::full), gradients = peak_at(ShardLevel::gradients);
+  ASSERT_LT(full, gradients) << "16 layers: slicing the weights saves more than gathering the embedding costs";
+  PlanRequest r;
+  r.base = base;
+  r.global_batch = 2;
+  r.margin = 0;
+  r.budget = (full + gradients) / 2;
+  PlanResult tight = fitting_plans(r);
+  ASSERT_FALSE(tight.plans.empty());
+  for (const Plan& p : tight.plans) {
+    EXPECT_EQ(p.shard, ShardLevel::full) << p.describe();
+    EXPECT_EQ(p.world, 2);
+    EXPECT_EQ(p.batch * p.accum, 1) << "the global batch of 2 split over the 2 ranks";
+  }
+  r.budget = gradients * 11 / 10;
+  PlanResult roomy = fitting_plans(r);
+  rank_plans(roomy, r, CostModel::flops_only());
+  auto first = [&](ShardLevel level) {
+    for (size_t i = 0; i < roomy.plans.size(); ++i) {
+      if (roomy.plans[i].shard == level) return i;
+    }
+    return roomy.plans.size();
+  };
+  ASSERT_LT(first(ShardLevel::gradients), roomy.plans.size());
+  ASSERT_LT(first(ShardLevel::full), roomy.plans.size());
+  EXPECT_LT(first(ShardLevel::gradients), first(ShardLevel::full));
+}
+
 TEST(CostModel, CountsRecomputeAndTheFixedCostOfEachMicroBatch) {
   const RunConfig base = small_llama();
   const ModelConfig m = load_model_config(base.model, base.overrides);

@@ -9,13 +9,13 @@
 // footer checksum, no optimizer name) are still read. The RNG needs no saved state: dropout is seeded from
 // (seed, step) at every step, so (seed, step) is the RNG state.
 //
-// A data-parallel run with sharded state (--shard optimizer|gradients) writes one file per rank,
-// DIR/rank-R-of-N.hrc, in the same format (the full weights, and that rank's slices of the optimizer
-// state), then — after every rank has written its own — rank 0 writes DIR/manifest.json naming the
-// world size, the shard level and the step, atomically: a set of files is a checkpoint once the
-// manifest says so. The same world size and shard level load their own files; any other layout is
-// re-sharded by the trainer from read_checkpoint_tensors(). An unsharded data-parallel run writes
-// DIR/checkpoint.hrc from rank 0 alone.
+// A data-parallel run with sharded state (--shard optimizer|gradients|full) writes one file per rank,
+// DIR/rank-R-of-N.hrc, in the same format (the full weights — at full that rank's 1-D slice of each —
+// and that rank's slices of the optimizer state), then — after every rank has written its own — rank 0 writes
+// DIR/manifest.json naming the world size, the shard level and the step, atomically: a set of files is a checkpoint
+// once the manifest says so. The same world size and shard level load their own files; any other layout is re-sharded
+// by the trainer from read_checkpoint_tensors(). An unsharded data-parallel run writes DIR/checkpoint.hrc from rank 0
+// alone.
 #pragma once
 
 #include <cstdint>

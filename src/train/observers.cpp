@@ -51,7 +51,8 @@ class CheckpointObserver final : public StepObserver {
                               run.model_config.source};
     if (run.replicas && run.replicas->sharded()) {
       // Each rank its own file; the manifest once all of them are in place.
-      save_checkpoint(dir_, info, run.parameters(), run.optimizer->state(), CheckpointShard{run.rank(), run.ranks()});
+      save_checkpoint(dir_, info, run.replicas->checkpoint_weights(), run.optimizer->state(),
+                      CheckpointShard{run.rank(), run.ranks()});
       run.comm->barrier();
       if (run.rank() == 0) {
         write_shard_manifest(dir_, {run.ranks(), shard_level_name(run.config.shard), step});

@@ -7,6 +7,8 @@
 
 #include "memory/budget_allocator.h"
 #include "memory/cache_policy.h"
+#include "train/step.h"
+#include "util/error.h"
 #include "util/files.h"
 #include "util/size.h"
 
@@ -81,6 +83,14 @@ int rank_of(int code) { return (code & 0xffff) - 1; }
 }  // namespace
 
 GuardedStep OomGuard::run(int64_t step) {
+  try {
+    rehearse_collectives(run_, step);
+  } catch (const c10::OutOfMemoryError& e) {
+    fail(
+        "rank {}: out of memory in a one-row micro-batch (--shard full's rehearsal of the ranks' collectives): {}; "
+        "accepted: a shorter --seq, or more memory",
+        run_.rank(), first_line(e.what_without_backtrace()));
+  }
   const InjectionScope injection(run_.config.inject_oom, step, run_.rank());
   const bool quiet = run_.config.quiet || run_.rank() != 0;
   DataParallel* replicas = run_.replicas.get();

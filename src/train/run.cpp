@@ -107,12 +107,23 @@ MadeRun make_run(const RunConfig& cfg) {
   // The budget applies from here: the model and optimizer state must fit in it too.
   run->probe->set_budget(cfg.memory_budget);
   try {
-    run->model = std::make_unique<CausalLM>(mc, at::TensorOptions().dtype(dtype).device(device), cfg.seed);
+    // --shard full: the rank keeps its slice of each parameter as the model is built, so that no
+    // more than one parameter is ever whole.
+    std::vector<at::Tensor> slices;
+    CausalLM::KeepParameter keep;
+    if (run->comm && cfg.shard == ShardLevel::full) {
+      keep = [&slices, rank = run->comm->rank(), ranks = run->comm->size()](const NamedTensor& p) {
+        slices.push_back(DataParallel::weight_slice(p.tensor, rank, ranks));
+      };
+    }
+    run->model = std::make_unique<CausalLM>(mc, at::TensorOptions().dtype(dtype).device(device), cfg.seed, keep);
     OptimizerOptions options;
     options.weight_decay = cfg.weight_decay_value();
     if (run->comm) {
-      run->replicas = std::make_unique<DataParallel>(*run->comm, run->model->parameters(), cfg.shard);
+      run->replicas = std::make_unique<DataParallel>(*run->comm, run->model->parameters(), cfg.shard,
+                                                     run->model->parameter_units(), std::move(slices));
       DataParallel* replicas = run->replicas.get();
+      run->forward.gate = replicas->gate();
       options.is_matrix = [replicas](const std::string& name) { return replicas->is_matrix(name); };
     }
     run->optimizer = make_optimizer(
@@ -135,25 +146,26 @@ MadeRun make_run(const RunConfig& cfg) {
   run->schedule = LrSchedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
 
   Run* r = run.get();
-  run->monitor =
-      std::make_unique<MemoryMonitor>(*run->probe, TrackedTensors{[r] { return r->model->parameter_tensors(); },
-                                                                  [r] {
-                                                                    std::vector<at::Tensor> grads;
-                                                                    for (const auto& p : r->parameters())
-                                                                      grads.push_back(p.tensor.grad());
-                                                                    if (r->replicas)
-                                                                      for (const auto& t : r->replicas->gradient_buffers())
-                                                                        grads.push_back(t);
-                                                                    return grads;
-                                                                  },
-                                                                  [r] {
-                                                                    std::vector<at::Tensor> state;
-                                                                    for (const auto& s : r->optimizer->state())
-                                                                      state.push_back(s.tensor);
-                                                                    for (const auto& t : r->optimizer->working_memory())
-                                                                      state.push_back(t);
-                                                                    return state;
-                                                                  }});
+  run->monitor = std::make_unique<MemoryMonitor>(
+      *run->probe, TrackedTensors{[r] {
+                                    std::vector<at::Tensor> weights = r->model->parameter_tensors();
+                                    if (r->replicas)
+                                      for (const auto& t : r->replicas->weight_slices()) weights.push_back(t);
+                                    return weights;
+                                  },
+                                  [r] {
+                                    std::vector<at::Tensor> grads;
+                                    for (const auto& p : r->parameters()) grads.push_back(p.tensor.grad());
+                                    if (r->replicas)
+                                      for (const auto& t : r->replicas->gradient_buffers()) grads.push_back(t);
+                                    return grads;
+                                  },
+                                  [r] {
+                                    std::vector<at::Tensor> state;
+                                    for (const auto& s : r->optimizer->state()) state.push_back(s.tensor);
+                                    for (const auto& t : r->optimizer->working_memory()) state.push_back(t);
+                                    return state;
+                                  }});
   return {std::move(run), std::nullopt};
 }
 

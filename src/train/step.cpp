@@ -79,6 +79,22 @@ void clear_gradients(Run& run) {
   }
 }
 
+void rehearse_collectives(Run& run, int64_t step) {
+  if (!run.replicas || run.replicas->knows_collective_order()) return;
+  // The same graph as a real micro-batch's (the collectives do not depend on its rows), outside the
+  // monitor's step; the loss times zero, so nothing is learnt from it.
+  run.replicas->begin_micro_batch();
+  const Batch b = run.data->train_batch(run.config.seed, step, 0, 1);
+  at::Tensor loss;
+  {
+    const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
+    loss = token_loss(run.model->forward(b.inputs.to(run.device), run.forward), b.targets.to(run.device));
+  }
+  (loss * 0.0).backward();
+  run.replicas->end_backward();
+  run.replicas->zero_grad();
+}
+
 void run_step(Run& run, const StepShape& shape, StepOutcome& out) {
   seed_step(run.config.seed, shape.step, shape.rank);
   out = StepOutcome{};
@@ -103,14 +119,34 @@ void run_step(Run& run, const StepShape& shape, StepOutcome& out) {
 double evaluate(Run& run, int64_t rows) {
   if (run.config.eval_rows == 0) return std::numeric_limits<double>::quiet_NaN();
   const c10::NoGradGuard no_grad;
-  const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}};
+  const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}, run.forward.gate};
   double loss_sum = 0;
   int64_t tokens = 0;
   for (const Batch& b : run.data->eval_batches(rows, run.config.eval_rows)) {
-    const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
-    const at::Tensor logits = run.model->forward(b.inputs.to(run.device), eval_forward);
-    loss_sum += token_loss(logits, b.targets.to(run.device)).item<double>() * static_cast<double>(b.tokens());
-    tokens += b.tokens();
+    if (!run.replicas) {
+      const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
+      const at::Tensor logits = run.model->forward(b.inputs.to(run.device), eval_forward);
+      loss_sum += token_loss(logits, b.targets.to(run.device)).item<double>() * static_cast<double>(b.tokens());
+      tokens += b.tokens();
+      continue;
+    }
+    // Ranks: each batch's outcome agreed on, so that all of them stop together; at --shard full a
+    // rank that ran out completes the batch's gathers first, which the others are waiting in.
+    bool failed = false;
+    run.replicas->begin_forward();
+    try {
+      const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
+      const at::Tensor logits = run.model->forward(b.inputs.to(run.device), eval_forward);
+      loss_sum += token_loss(logits, b.targets.to(run.device)).item<double>() * static_cast<double>(b.tokens());
+      tokens += b.tokens();
+    } catch (const c10::OutOfMemoryError&) {
+      run.replicas->abandon_forward();
+      failed = true;
+    }
+    if (run.replicas->any(failed)) {
+      throw c10::OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                  "out of memory in evaluation on one of the ranks");
+    }
   }
   return loss_sum / static_cast<double>(tokens);
 }

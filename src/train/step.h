@@ -62,8 +62,14 @@ void clear_gradients(Run& run);                                            // ze
 // failed; the loss is the global batch's, summed over the ranks.
 void run_step(Run& run, const StepShape& shape, StepOutcome& out);
 
+// --shard full, before the first step: a one-row micro-batch whose gradients are dropped, so that
+// the ranks know the order of their collectives, which a rank that runs out of memory part-way
+// must replay to the others (dist/data_parallel.h). Nothing to do otherwise, or once done.
+void rehearse_collectives(Run& run, int64_t step);
+
 // The mean token loss of up to --eval-rows held-out sequences, in batches of `rows`, without
-// gradients; NaN with --eval-rows 0.
+// gradients; NaN with --eval-rows 0. With ranks, every rank evaluates and each batch's outcome is
+// agreed: an out-of-memory on any of them throws c10::OutOfMemoryError on all.
 double evaluate(Run& run, int64_t rows);
 
 }  // namespace headroom

@@ -53,9 +53,9 @@ std::string config_difference(const nlohmann::json& a, const nlohmann::json& b) 
 // Loads --resume's checkpoint into the run, checking that it belongs to this run; returns the
 // number of steps it had completed.
 // A checkpoint of another layout (written by another number of ranks, or another shard level, or
-// unsharded into a sharded run): the weights from its first file (every file holds them whole);
-// each optimizer state tensor put together whole from the files' slices, in rank order, then cut to
-// this rank's slice. Every rank reads every file.
+// unsharded into a sharded run): the weights from its first file (every file holds them whole,
+// except at --shard full, whose files' slices are put together in rank order); each optimizer state tensor put together
+// whole from the files' slices, in rank order, then cut to this rank's slice. Every rank reads every file.
 CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& manifest) {
   const std::string& dir = run.config.resume;
   const int files = manifest ? manifest->ranks : 1;
@@ -82,12 +82,33 @@ CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& mani
     }
     return nullptr;
   };
-  for (const auto& p : run.parameters()) {
+  // Weights whole in every file, or (--shard full) each file's slice of them, put together in rank order.
+  const std::vector<NamedTensor> weights = run.replicas ? run.replicas->checkpoint_weights() : run.parameters();
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const NamedTensor& p = run.parameters()[i];
     const at::Tensor* w = find(parts.front().model, p.name);
-    if (w == nullptr || !w->sizes().equals(p.tensor.sizes())) {
+    at::Tensor whole;
+    if (w != nullptr && w->sizes().equals(p.tensor.sizes())) {
+      whole = *w;
+    } else if (w != nullptr && w->dim() == 1 && manifest && manifest->shard == shard_level_name(ShardLevel::full)) {
+      std::vector<at::Tensor> pieces;
+      for (const auto& part : parts) {
+        if (const at::Tensor* t = find(part.model, p.name)) pieces.push_back(*t);
+      }
+      whole = at::cat(pieces);
+      if (whole.numel() != p.tensor.numel()) whole = at::Tensor();
+    }
+    if (!whole.defined()) {
       fail("--resume: '{}' has no weight '{}' of this run's shape: it was written for a different model", dir, p.name);
     }
-    p.tensor.detach().copy_(*w);
+    // This run's own layout: the parameter whole, or its slice at --shard full.
+    const at::Tensor target = weights[i].tensor.detach();
+    if (target.sizes().equals(p.tensor.sizes())) {
+      target.copy_(whole.view(p.tensor.sizes()));
+    } else {
+      const auto slice = run.replicas->slice_of(p.name);
+      target.copy_(whole.reshape(-1).narrow(0, slice->first, slice->second));
+    }
   }
   for (const auto& s : run.optimizer->state()) {
     std::vector<at::Tensor> pieces;
@@ -130,7 +151,7 @@ CheckpointInfo load_for_resume(Run& run) {
     return load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state());
   }
   if (!manifest || manifest->ranks != run.ranks() || manifest->shard != level) return load_resharded(run, manifest);
-  const CheckpointInfo info = load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state(),
+  const CheckpointInfo info = load_checkpoint(cfg.resume, run.replicas->checkpoint_weights(), run.optimizer->state(),
                                               CheckpointShard{run.rank(), run.ranks()});
   if (info.step != manifest->step) {
     fail("--resume: '{}' is at step {} but its manifest says step {}: a save was cut short; the files do not form "
