@@ -131,8 +131,10 @@ void Communicator::run(const char* op, F&& start) {
     c10::intrusive_ptr<c10d::Work> work = start();
     work->wait(timeout_);
   } catch (const c10::OutOfMemoryError& e) {
-    // The collective's own buffers: the others are inside it already, so the ranks cannot replay
-    // the step together; this rank ends, and they learn of it at once (its connections close).
+    // The collective's own buffers (Gloo's copies): whether the others are already inside it cannot be
+    // told from here (Gloo takes the collective's tag before its worker allocates), so the ranks
+    // cannot replay the step together; this rank ends, and the others learn of it when its
+    // connections close (Gloo) or at --dist-timeout (NCCL).
     fail(
         "rank {}: out of memory inside a {} (its own buffers), which the ranks cannot recover from together: {}; "
         "accepted: a smaller --batch, or more memory",

@@ -10,6 +10,7 @@
 #include "device/grad_hook_adapter.h"
 #include "device/storage_adapter.h"
 #include "util/error.h"
+#include "util/files.h"
 
 namespace headroom {
 namespace {
@@ -179,18 +180,31 @@ void DataParallel::abandon_backward() {
           pattern_.empty() ? "before any micro-batch had completed" : "in a micro-batch unlike the ones before");
     }
     // The rest of the micro-batch's collectives, with zeros, in the order the others issue them.
-    for (size_t k = issued_.size(); k < pattern_.size(); ++k) {
-      const Collective c = pattern_[k];
-      if (c.gather) {
-        gather_zeros(c.param);
-      } else {
-        reduce_parameter(c.param, /*zeros=*/true);
+    completing_owed_collectives([this] {
+      for (size_t k = issued_.size(); k < pattern_.size(); ++k) {
+        const Collective c = pattern_[k];
+        if (c.gather) {
+          gather_zeros(c.param);
+        } else {
+          reduce_parameter(c.param, /*zeros=*/true);
+        }
       }
-    }
+    });
   } else if (reduces_in_backward()) {
-    reduce_remaining();
+    completing_owed_collectives([this] { reduce_remaining(); });
   }
   zero_grad();  // the step is lost: what was reduced into the shard included it
+}
+
+void DataParallel::completing_owed_collectives(const std::function<void()>& owed) {
+  try {
+    owed();
+  } catch (const c10::OutOfMemoryError& e) {
+    // Not an OOM the guard may act on: this rank would leave the others inside a collective.
+    fail("rank {}: out of memory again while completing the collectives the other ranks wait in ({}), so the "
+         "ranks cannot recover together; accepted: a smaller --batch, or more memory",
+         comm_.rank(), first_line(e.what_without_backtrace()));
+  }
 }
 
 void DataParallel::gather_zeros(size_t param) {
@@ -208,7 +222,9 @@ void DataParallel::abandon_forward() {
   release_all();
   std::vector<size_t> order;  // a forward's gathers: unit 0's parameters, then each layer's
   for (const auto& unit : unit_params_) order.insert(order.end(), unit.begin(), unit.end());
-  for (size_t k = issued_.size(); k < order.size(); ++k) gather_zeros(order[k]);
+  completing_owed_collectives([&] {
+    for (size_t k = issued_.size(); k < order.size(); ++k) gather_zeros(order[k]);
+  });
 }
 
 void DataParallel::gather(int unit) {

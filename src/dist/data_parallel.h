@@ -42,6 +42,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -143,6 +144,9 @@ class DataParallel final : private ParameterGate {
   void release(int unit);
   void release_all();
   void gather_zeros(size_t param);  // a gather of the parameter with nothing of this rank's in it
+  // Runs `owed` (collectives the others are waiting in); an OOM in it becomes an Error: the ranks
+  // cannot be kept in step after it.
+  void completing_owed_collectives(const std::function<void()>& owed);
 
   Communicator& comm_;
   std::vector<NamedTensor> params_;

@@ -81,6 +81,9 @@ class StepSim : sim::Ops {
   void finish_backward();
   void allreduce_buckets();
   void gather_parameters();
+  // The transients of one all-gather of a parameter of n elements in chunks of c
+  // (DataParallel::allgather_into): the result padded to N chunks unless that is the parameter.
+  void allgather(int64_t n, int64_t c);
   void agreement() { Ref flag = mem_.allocate(8, comm_); }  // a one-element int64 allreduce
 
   const Param& p(const std::string& name) const {
@@ -351,9 +354,7 @@ void StepSim::gather(int unit) {
   for (size_t i : unit_params_[static_cast<size_t>(unit)]) {
     const int64_t n = params_.at(order_[i]).t.numel, c = chunk(n);
     held.push_back(mem_.allocate(n * ew_, gathered_lbl_));
-    // The slice padded to a whole chunk unless it is one, and the padded result unless it is the parameter.
-    Ref input = c != std::min(c, n) ? mem_.allocate(c * ew_, comm_) : nullptr;
-    Ref output = c * s_.world != n ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
+    allgather(n, c);  // rank 0's slice is a whole chunk: sent as it is, unpadded
   }
 }
 
@@ -399,8 +400,14 @@ void StepSim::gather_parameters() {
   for (const auto& name : order_) {
     const int64_t n = params_.at(name).t.numel, c = chunk(n);
     Ref input = mem_.allocate(c * ew_, comm_);
-    if (c * s_.world != n) Ref output = mem_.allocate(c * s_.world * ew_, comm_);
+    allgather(n, c);
   }
+}
+
+void StepSim::allgather(int64_t n, int64_t c) {
+  Ref output = c * s_.world != n ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
+  // On cpu Gloo gathers into a flat tensor of its own and copies the result out of it.
+  if (!s_.cuda) Ref flat = mem_.allocate(c * s_.world * ew_, comm_);
 }
 
 void StepSim::setup() {

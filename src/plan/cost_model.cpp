@@ -122,9 +122,13 @@ double CostModel::communication_seconds(const ModelConfig& model, Precision prec
       break;
     }
     case ShardLevel::full: {
-      // Every micro-batch: the weights all-gathered for forward and again for backward, and the
-      // gradients reduce-scattered.
-      volume = 3 * static_cast<double>(accum) * part * bytes;
+      // Every micro-batch: the weights all-gathered for forward, the layers again for backward (the
+      // embeddings and head stay), and the gradients reduce-scattered.
+      const int64_t outer = model.vocab_size * model.hidden_size * (model.tie_word_embeddings ? 1 : 2) +
+                            (model.learned_positions ? model.max_positions * model.hidden_size : 0);
+      const double layers =
+          bytes * static_cast<double>(count_parameters(model) - outer) / static_cast<double>(count_parameters(model));
+      volume = static_cast<double>(accum) * part * (2 * bytes + layers);
       collectives = 3 * static_cast<double>(accum) * static_cast<double>(model.num_layers * 10 + 4);
       break;
     }

@@ -54,7 +54,7 @@ class CostModel {
   // Seconds of one step's collectives on each of `world` ranks at `shard` with `accum` micro-batches:
   // the ring algorithms' bytes per rank — allreduce 2(N-1)/N of the gradients (none); reduce-scatter
   // (N-1)/N of them (once, or per micro-batch at gradients) and allgather (N-1)/N of the weights
-  // (full: per micro-batch, twice, for forward and for backward) — over an assumed link (kLinkBytesPerSecond, not
+  // (full: per micro-batch, for forward and again the layers' for backward) — over an assumed link (kLinkBytesPerSecond, not
   // measured), plus a fixed latency per collective (25 MiB buckets unsharded; two per parameter sharded). 0 for one
   // rank.
   double communication_seconds(const ModelConfig& model, Precision precision, int64_t world, ShardLevel shard,
