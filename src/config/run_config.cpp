@@ -352,11 +352,6 @@ void validate(const RunConfig& c) {
   if (c.dist_timeout <= 0 || c.dist_timeout > 86400) {
     fail("--dist-timeout must be 1 to 86400 seconds, got {}", c.dist_timeout);
   }
-  if (c.shard != ShardLevel::none && c.optimizer == OptimizerKind::adafactor) {
-    fail("--shard {} with --optimizer adafactor is not supported (its factored state is per matrix, not per "
-         "slice); accepted: --shard none, or another optimizer",
-         shard_level_name(c.shard));
-  }
   if (c.memory_budget && *c.memory_budget <= 0) fail("--memory-budget must be positive, got {}", *c.memory_budget);
   if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);
   if (c.inject_oom && c.inject_oom->step > c.end_step()) {

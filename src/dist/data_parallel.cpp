@@ -17,6 +17,21 @@ namespace {
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 }  // namespace
 
+class DataParallel::Buffers {
+ public:
+  explicit Buffers(DataParallel& dp) : dp_(dp) {
+    if (dp_.buffers_depth_++ == 0 && dp_.mark_) dp_.mark_(true);
+  }
+  ~Buffers() {
+    if (--dp_.buffers_depth_ == 0 && dp_.mark_) dp_.mark_(false);
+  }
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
+
+ private:
+  DataParallel& dp_;
+};
+
 DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& params, ShardLevel level,
                            std::vector<int> units, std::vector<at::Tensor> slices, int64_t bucket_bytes)
     : comm_(comm),
@@ -36,7 +51,6 @@ DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& p
     s.start = std::min(r * s.chunk, s.numel);
     s.length = std::min(s.chunk, s.numel - s.start);
     s.buffer_offset = offset;
-    s.matrix = p.tensor.dim() >= 2;
     offset += s.chunk;
     slices_.push_back(s);
   }
@@ -106,11 +120,17 @@ at::Tensor DataParallel::weight_slice(const at::Tensor& param, int rank, int ran
   return param.detach().reshape(-1).narrow(0, start, std::min(c, n - start)).clone();
 }
 
-bool DataParallel::is_matrix(const std::string& name) const {
+std::optional<OptimizerSharding> DataParallel::optimizer_sharding() {
+  if (!sharded()) return std::nullopt;
+  OptimizerSharding out;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].name == name) return slices_[i].matrix;
+    out.parameters.push_back({params_[i].name, params_[i].tensor.sizes().vec(), slices_[i].start, slices_[i].length});
   }
-  return false;
+  out.sum = [this](at::Tensor& t) {
+    const Buffers buffers(*this);
+    comm_.allreduce(t, ReduceOp::sum);
+  };
+  return out;
 }
 
 std::optional<std::pair<int64_t, int64_t>> DataParallel::slice_of(const std::string& name) const {
@@ -124,6 +144,7 @@ std::optional<std::pair<int64_t, int64_t>> DataParallel::slice_of(const std::str
 
 void DataParallel::reduce_parameter(size_t i, bool zeros) {
   const c10::NoGradGuard no_grad;
+  const Buffers buffers(*this);
   const Slice& s = slices_[i];
   const at::Tensor& param = params_[i].tensor;
   const at::Tensor grad = zeros ? at::Tensor() : param.grad();
@@ -209,6 +230,7 @@ void DataParallel::completing_owed_collectives(const std::function<void()>& owed
 
 void DataParallel::gather_zeros(size_t param) {
   const c10::NoGradGuard no_grad;
+  const Buffers buffers(*this);
   const int64_t chunk = slices_[param].chunk;
   at::Tensor output = at::empty({chunk * comm_.size()}, shard_grads_.options());
   at::Tensor input = at::zeros({chunk}, shard_grads_.options());
@@ -237,6 +259,7 @@ void DataParallel::gather(int unit) {
     // Written through an alias autograd does not track: the values come back unchanged, and
     // backward's saved references to the parameter must not see a modification.
     at::Tensor flat = untracked_flat(params_[i].tensor);
+    const Buffers buffers(*this);
     at::Tensor input = weight_slices_[i];
     if (s.length != s.chunk) {
       input = at::zeros({s.chunk}, flat.options());
@@ -271,12 +294,14 @@ void DataParallel::release_all() {
 }
 
 int DataParallel::agree(int code) {
+  const Buffers buffers(*this);
   at::Tensor t = at::full({1}, static_cast<int64_t>(code), at::kLong);
   comm_.allreduce(t, ReduceOp::max);
   return static_cast<int>(t.item<int64_t>());
 }
 
 double DataParallel::sum(double value) {
+  const Buffers buffers(*this);
   at::Tensor t = at::full({1}, value, at::kDouble);
   comm_.allreduce(t, ReduceOp::sum);
   return t.item<double>();
@@ -290,6 +315,7 @@ void DataParallel::allreduce_buckets() {
   int64_t bucket_bytes = 0;
   auto flush = [&] {
     if (bucket.empty()) return;
+    const Buffers buffers(*this);
     if (bucket.size() == 1 && bucket.front().is_contiguous()) {
       comm_.allreduce(bucket.front());  // one tensor: in place, no copy
     } else {
@@ -360,6 +386,7 @@ void DataParallel::gather_parameters() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Slice& s = slices_[i];
     at::Tensor flat = params_[i].tensor.detach().view(-1);
+    const Buffers buffers(*this);
     at::Tensor input = at::empty({s.chunk}, flat.options());
     if (s.length > 0) input.narrow(0, 0, s.length).copy_(flat.narrow(0, s.start, s.length));
     allgather_into(flat, input, s);

@@ -51,6 +51,7 @@
 #include "config/shard_level.h"
 #include "dist/communicator.h"
 #include "model/parameter_gate.h"
+#include "optim/optimizer.h"
 #include "util/named_tensor.h"
 
 namespace headroom {
@@ -83,8 +84,9 @@ class DataParallel final : private ParameterGate {
   // named as their parameters, whose .grad is their part of the shard buffer: 1-D views into the
   // parameters (optimizer, gradients), the rank's own weight slices (full).
   const std::vector<NamedTensor>& optimizer_parameters() const { return optimizer_params_; }
-  // Whether the optimizer's tensor of this name belongs to a matrix (weight decay applies).
-  bool is_matrix(const std::string& name) const;
+  // What the optimizer must know of the parameters when it updates slices (their shapes, and a sum
+  // over the ranks for adafactor's per-matrix statistics); nullopt unsharded.
+  std::optional<OptimizerSharding> optimizer_sharding();
   // This rank's slice of the named parameter's flattened elements: {start, length} ({0, numel}
   // unsharded); nullopt for a name that is not a parameter.
   std::optional<std::pair<int64_t, int64_t>> slice_of(const std::string& name) const;
@@ -121,6 +123,9 @@ class DataParallel final : private ParameterGate {
   void zero_grad();
   // Memory this class holds across steps (the shard gradient buffer), for the monitor's gradients.
   std::vector<at::Tensor> gradient_buffers() const;
+  // Called with true before this class allocates a collective's buffers (and the collective runs),
+  // false after: the monitor's communication category (memory/memory_probe.h).
+  void mark_buffers_with(std::function<void(bool)> mark) { mark_ = std::move(mark); }
   // full: the rank's weight slices, for the monitor's weights (empty at the other levels).
   const std::vector<at::Tensor>& weight_slices() const { return weight_slices_; }
   // What a checkpoint holds of the weights: the parameters, or at full this rank's slice of each,
@@ -131,8 +136,7 @@ class DataParallel final : private ParameterGate {
   struct Slice {
     int64_t numel = 0, chunk = 0;  // the parameter's elements; c = ceil(numel / N)
     int64_t start = 0, length = 0;  // this rank's slice of the flattened parameter
-    int64_t buffer_offset = 0;     // its chunk in the shard gradient buffer
-    bool matrix = false;
+    int64_t buffer_offset = 0;      // its chunk in the shard gradient buffer
   };
   void reduce_parameter(size_t i, bool zeros);
   // The ranks' chunks (this one's: `chunk`, s.chunk elements) into the flattened parameter `flat`.
@@ -148,7 +152,11 @@ class DataParallel final : private ParameterGate {
   // cannot be kept in step after it.
   void completing_owed_collectives(const std::function<void()>& owed);
 
+  class Buffers;  // while alive, allocations are the collectives' buffers (nests)
+
   Communicator& comm_;
+  std::function<void(bool)> mark_;
+  int buffers_depth_ = 0;
   std::vector<NamedTensor> params_;
   ShardLevel level_;
   int64_t bucket_bytes_;

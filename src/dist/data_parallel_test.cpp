@@ -141,6 +141,26 @@ void expect_agreement(const Weights& w) {
   EXPECT_GT(worst, 0.0f);
 }
 
+// Resumes of a 4-step run's checkpoint at step 2, each by its command line, whose last 2 losses must
+// be those of the uninterrupted run `a` within its tolerance (0: identical).
+struct Resume {
+  std::string name, command;
+  double tolerance;
+};
+void expect_resumes(const std::vector<Resume>& resumes, const std::vector<nlohmann::json>& a, const TempDir& dir) {
+  for (const Resume& r : resumes) {
+    SCOPED_TRACE(r.name);
+    const std::string metrics = dir.file(r.name + ".jsonl");
+    const auto out = run_command(r.command + " --metrics '" + metrics + "' 2>&1");
+    ASSERT_EQ(out.code, 0) << out.out;
+    const auto c = read_jsonl(metrics);
+    ASSERT_EQ(c.size(), 2u);
+    for (size_t i = 0; i < c.size(); ++i) {
+      EXPECT_NEAR(c[i].at("loss").get<double>(), a[i + 2].at("loss").get<double>(), r.tolerance) << "step " << i + 3;
+    }
+  }
+}
+
 // tiny: llama, untied, vocabulary 256; 2 micro-batches, weight decay and clipping on; momentum, whose
 // update is linear in the gradient. (Adam's is not: where a gradient element is a sum that nearly
 // cancels, the ranks' order of summation changes it relatively much, and Adam's normalised step
@@ -181,6 +201,51 @@ TEST(DataParallel, TiedGpt2AgreesWhenGradientsAreSharded) {
   }
 }
 
+// Adafactor shards by the same slices, which start and end inside a matrix's rows: the ranks sum
+// their parts of each row's and column's statistics, so each updates its slice as one process would.
+TEST(DataParallel, AdafactorShardedRanksAgreeBitwiseAndMatchOneProcess) {
+  for (const char* level : {"optimizer", "full"}) {
+    SCOPED_TRACE(level);
+    expect_agreement(train_both_ways(
+        fmt::format("model=tiny;steps=3;seq=32;accum=2;lr=0.01;optimizer=adafactor;weight-decay=0.1;shard={}", level),
+        2));
+  }
+}
+
+// A sharded adafactor checkpoint holds the whole factored moments in every rank's file and the
+// vectors' moments sliced: it resumes in the same layout to the identical losses, and alone or at
+// another shard level to the same losses within rounding.
+TEST(DataParallel, AdafactorCheckpointResumesInOtherLayouts) {
+  TempDir dir;
+  const std::string common =
+      "train --device cpu --model tiny --steps 4 --seq 32 --eval-rows 0 --quiet --optimizer adafactor --lr 0.01";
+  const std::string full = common + " --batch 2 --shard full";
+  const auto whole = launch(2, HEADROOM_BINARY, full + " --metrics " + dir.file("whole.jsonl"));
+  ASSERT_EQ(whole.code, 0) << whole.out;
+  const std::string ck = dir.file("ck");
+  const auto first = launch(2, HEADROOM_BINARY, full + " --stop-at 2 --checkpoint " + ck);
+  ASSERT_EQ(first.code, 0) << first.out;
+  for (const char* copy : {"ck-alone", "ck-gradients"}) {
+    std::filesystem::create_directories(dir.file(copy));
+    for (const char* f : {"manifest.json", "rank-0-of-2.hrc", "rank-1-of-2.hrc"}) {
+      std::filesystem::copy_file(ck + "/" + f, dir.file(copy) + "/" + f);
+    }
+  }
+  const auto a = read_jsonl(dir.file("whole.jsonl"));
+  ASSERT_EQ(a.size(), 4u);
+  const std::vector<Resume> resumes = {
+      {"full", fmt::format("{} {} --resume {}", torchrun_prefix(), full, ck), 0.0},
+      {"alone",
+       fmt::format("env OMP_NUM_THREADS=1 {} {} --batch 4 --resume {}", HEADROOM_BINARY, common, dir.file("ck-alone")),
+       1e-5},
+      {"gradients",
+       fmt::format("{} {} --batch 2 --shard gradients --resume {}", torchrun_prefix(), common,
+                   dir.file("ck-gradients")),
+       1e-5},
+  };
+  expect_resumes(resumes, a, dir);
+}
+
 // AdamW (the default) with its state sharded: the loss sequence of one process on the same global batch.
 TEST(DataParallel, AdamWithShardedStateFollowsOneProcessLossSequence) {
   TempDir dir;
@@ -205,7 +270,7 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
   const RunConfig cfg = config_of(kTiny);
   const ModelConfig mc = load_model_config(cfg.model, cfg.overrides);
   const CausalLM model(mc, at::TensorOptions().dtype(at::kFloat), 1);
-  int64_t weights = 0, chunks = 0, slices0 = 0, slices1 = 0, owned0 = 0, owned1 = 0;
+  int64_t weights = 0, chunks = 0, slices0 = 0, slices1 = 0, owned0 = 0, owned1 = 0, largest_chunk = 0;
   // --shard full gathers a unit at a time: the embeddings and head (unit 0), or one layer.
   std::map<int, int64_t> unit_bytes;
   const std::vector<int> units = model.parameter_units();
@@ -218,6 +283,7 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
     const int64_t n = p.tensor.numel(), c = (n + 1) / 2;
     weights += 4 * n;
     chunks += 4 * c;
+    largest_chunk = std::max(largest_chunk, 4 * c);
     slices0 += std::min(c, n);
     slices1 += n - std::min(c, n);
     owned0 += 1;
@@ -241,6 +307,22 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
     EXPECT_EQ(m0.back().at("rank"), 0);
     EXPECT_EQ(m1.back().at("rank"), 1);
     const std::string l = level;
+    // The collectives' buffers (the monitor's communication): unsharded, the one flat bucket all of
+    // tiny's gradients fit in (under 25 MiB) at the update, and the 8-byte loss sum just before it,
+    // which Gloo's worker thread may not have let go yet; sharded, in backward, the reduce-scatter of
+    // a parameter or two at a time (its padded copy, its chunk, Gloo's copy: 5 chunks each).
+    for (const auto* m : {&m0, &m1}) {
+      const auto& phases = m->back().at("phases");
+      if (l == "none") {
+        const int64_t comm = phases.at("optimizer").at("breakdown").at("communication");
+        EXPECT_GE(comm, weights);
+        EXPECT_LE(comm, weights + 8);
+      } else if (l != "optimizer") {
+        const int64_t comm = phases.at("backward").at("breakdown").at("communication");
+        EXPECT_GT(comm, 0);
+        EXPECT_LE(comm, 2 * 5 * largest_chunk);
+      }
+    }
     if (l == "full") {
       // Between uses a rank holds its slices: 4 B × its elements; while the forward runs, the
       // embeddings and head too, and at most one layer besides.
@@ -276,15 +358,18 @@ TEST(DataParallel, PerRankWeightGradientAndOptimizerBytesFollowTheShardLevel) {
 
 // `estimate --world-size 2 --shard S` against rank peaks measured on 2 ranks: gpt2's widths and
 // vocabulary at two layers (tied embeddings), pythia-160m's at one (gpt_neox, an untied head of
-// gpt2's size, whose reduce-scatter makes the peak), and tiny (llama, untied) at its four.
+// gpt2's size, whose reduce-scatter makes the peak), and tiny (llama, untied) at its four; adafactor
+// (its slices' scratch and the whole factored moments) on gpt2 where the weights and gradients shard.
 TEST(DataParallel, EstimatePerRankPeakWithinThreePercentOfTheMeasuredOne) {
   struct Case {
     std::string model;
     int64_t batch;
+    std::vector<const char*> levels = {"none", "optimizer", "gradients", "full"};
   };
   for (const Case& c : {Case{"--model gpt2 --set n_layer=2", 1},
-                        Case{"--model pythia-160m --set num_hidden_layers=1", 1}, Case{"--model tiny", 2}}) {
-    for (const char* level : {"none", "optimizer", "gradients", "full"}) {
+                        Case{"--model pythia-160m --set num_hidden_layers=1", 1}, Case{"--model tiny", 2},
+                        Case{"--model gpt2 --set n_layer=2 --optimizer adafactor", 1, {"gradients", "full"}}}) {
+    for (const char* level : c.levels) {
       SCOPED_TRACE(c.model + " --shard " + level);
       const std::string shape = fmt::format("{} --batch {} --seq 32 --device cpu --shard {}", c.model, c.batch, level);
       const auto e = run_command(fmt::format("{} estimate {} --world-size 2 --json", HEADROOM_BINARY, shape));
@@ -373,27 +458,13 @@ TEST(DataParallel, FullyShardedCheckpointResumesInEveryLayout) {
 
   const auto a = read_jsonl(dir.file("whole.jsonl"));
   ASSERT_EQ(a.size(), 4u);
-  struct Resume {
-    std::string name, command;
-    double tolerance;
-  };
   const std::vector<Resume> resumes = {
       {"full", fmt::format("{} {} --resume {}", torchrun_prefix(), full, ck), 0.0},
       {"alone", fmt::format("env OMP_NUM_THREADS=1 {} {} --batch 4 --resume {}", HEADROOM_BINARY, common, ck_alone),
        1e-5},
       {"gradients into full", fmt::format("{} {} --resume {}", torchrun_prefix(), full, ck_grads), 1e-5},
   };
-  for (const Resume& r : resumes) {
-    SCOPED_TRACE(r.name);
-    const std::string metrics = dir.file(r.name + ".jsonl");
-    const auto out = run_command(r.command + " --metrics '" + metrics + "' 2>&1");
-    ASSERT_EQ(out.code, 0) << out.out;
-    const auto c = read_jsonl(metrics);
-    ASSERT_EQ(c.size(), 2u);
-    for (size_t i = 0; i < c.size(); ++i) {
-      EXPECT_NEAR(c[i].at("loss").get<double>(), a[i + 2].at("loss").get<double>(), r.tolerance) << "step " << i + 3;
-    }
-  }
+  expect_resumes(resumes, a, dir);
 }
 
 // Two ranks launched by hand (rank 0 hosts the store); rank 1 is killed or stopped once training

@@ -490,7 +490,7 @@ class Diagnosis {
                                        cfg_.batch, cfg_.accum)});
       return;
     }
-    for (ShardLevel level : shard_settings(kRanks, cfg_.optimizer)) {
+    for (ShardLevel level : shard_settings(kRanks)) {
       c.shard = level;
       const std::string setting = fmt::format("2 ranks, --shard {}", shard_level_name(level));
       say("3/5 lever: data parallel, " + setting + " (this binary started twice)");

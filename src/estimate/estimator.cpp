@@ -512,7 +512,8 @@ Estimate StepSim::run() {
   const int st = mem_.label("optimizer state", Category::optimizer, formula);
   const int working =
       mem_.label("optimizer working memory", Category::optimizer,
-                 "scratch the optimizer keeps between steps (adafactor: float32, the largest parameter)");
+                 "scratch the optimizer keeps between steps (adafactor: float32, the largest parameter or the "
+                 "rows its slice touches, and each matrix's row and column sums)");
   // The trainer's own optimizer class, built over the meta-device parameters: its state tensors
   // are what the trainer allocates, tensor by tensor, and nothing is allocated here.
   std::vector<Ref> state;
@@ -520,10 +521,16 @@ Estimate StepSim::run() {
     // Sharded: rank 0's slices of each parameter (the first ceil(n / N) elements), as the trainer's
     // DataParallel hands them to the optimizer.
     std::vector<NamedTensor> owned = shapes_->parameters();
+    OptimizerOptions options;
     if (sharded()) {
-      for (auto& t : owned) t.tensor = t.tensor.view(-1).narrow(0, 0, std::min(chunk(t.tensor.numel()), t.tensor.numel()));
+      options.sharding.emplace();
+      for (auto& t : owned) {
+        const int64_t n = t.tensor.numel();
+        options.sharding->parameters.push_back({t.name, t.tensor.sizes().vec(), 0, std::min(chunk(n), n)});
+        t.tensor = t.tensor.view(-1).narrow(0, 0, std::min(chunk(n), n));
+      }
     }
-    const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, owned, OptimizerOptions{});
+    const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, owned, options);
     for (const NamedTensor& t : real->state())
       state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), st));
     for (const at::Tensor& t : real->working_memory()) {
@@ -565,17 +572,15 @@ Estimate StepSim::run() {
     Ref total = mem_.allocate(4, lbl);
     if (s_.precision == Precision::fp16_mixed) Ref found_inf = mem_.allocate(4, lbl);
   }
-  if (s_.optimizer == OptimizerKind::adafactor) {
+  if (s_.optimizer == OptimizerKind::adafactor && ew_ != 4 && !s_.cuda) {
+    // Adafactor works in its scratch and statistics buffers (working memory). 2-byte parameters on
+    // the CPU: the update's in-place ops mix the float32 scratch with the bf16 gradient and parameter,
+    // and the CPU kernels cast to float32 copies first — the parameter's update
+    // (param += update · -alpha) holds two of its part's size at once.
     const int lbl = mem_.label("optimizer temporaries", Category::temporaries);
     for (const auto& name : order_) {
-      const Param& prm = params_.at(name);
-      if (prm.cols > 0) Ref rows = mem_.allocate(prm.rows * 4, lbl), cols = mem_.allocate(prm.cols * 4, lbl);
-      // 2-byte parameters on the CPU: the update's in-place ops mix the float32 moments with the
-      // bf16 gradient and parameter, and the CPU kernels cast to float32 copies first — the
-      // parameter's update (param += update · -alpha) holds two of its size at once.
-      if (ew_ != 4 && !s_.cuda) {
-        Ref upcast = mem_.allocate(prm.t.numel * 4, lbl), result = mem_.allocate(prm.t.numel * 4, lbl);
-      }
+      const int64_t n = params_.at(name).t.numel, part = sharded() ? std::min(chunk(n), n) : n;
+      Ref upcast = mem_.allocate(part * 4, lbl), result = mem_.allocate(part * 4, lbl);
     }
   }
   if (sharded() && !fully_sharded()) gather_parameters();

@@ -53,6 +53,7 @@ struct AllocationRecord {
   int frames = 0;  // entries of `stack` in use (0 unless backtraces are on)
   std::array<void*, kMaxFrames> stack{};
   CachingHeap* heap = nullptr;  // the heap that served it (caching), else null
+  bool communication = false;   // made while set_communicating(true): a collective's buffer
 };
 
 struct LiveAllocation {
@@ -68,6 +69,7 @@ struct OomEvent {
   int64_t step = -1;
   Phase phase = Phase::idle;
   uint64_t sequence = 0;  // allocations made before it
+  int64_t communication = 0;  // of `live`, bytes made while communicating
   bool injected = false;
   std::optional<CachingOom> caching;  // the caching allocator's state when it refused
 };
@@ -110,6 +112,11 @@ class BudgetAllocator final : public c10::Allocator {
   // Tags later allocations (records, OOM messages).
   void set_context(int64_t step, Phase phase);
   int64_t context_step() const { return step_.load(std::memory_order_relaxed); }
+  // Tags later allocations, from any thread (a collective's own worker too), as communication
+  // buffers until switched off; their live bytes are counted apart, and at the peak.
+  void set_communicating(bool on) { communicating_.store(on, std::memory_order_relaxed); }
+  int64_t communication_bytes() const { return communication_.load(std::memory_order_relaxed); }
+  int64_t peak_communication_bytes() const { return peak_communication_.load(std::memory_order_relaxed); }
   Phase context_phase() const { return static_cast<Phase>(phase_.load(std::memory_order_relaxed)); }
 
   // Fault injection, one-shot: the n-th allocation from now (n >= 1) fails, or the first larger
@@ -168,6 +175,9 @@ class BudgetAllocator final : public c10::Allocator {
   std::atomic<int64_t> peak_{0};
   std::atomic<uint64_t> count_{0};
   std::atomic<uint64_t> peak_seq_{0};
+  std::atomic<int64_t> communication_{0};       // live bytes of communication buffers (under mutex_)
+  std::atomic<int64_t> peak_communication_{0};  // ... when the peak was reached
+  std::atomic<bool> communicating_{false};
   std::atomic<int64_t> budget_{-1};
   std::atomic<int64_t> step_{-1};
   std::atomic<uint8_t> phase_{0};

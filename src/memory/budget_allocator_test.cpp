@@ -30,6 +30,28 @@ TEST(BudgetAllocator, CountsExactlyTheBytesOfKnownTensors) {
   EXPECT_EQ(a.peak_bytes(), before);
 }
 
+// A collective's buffers: what any thread allocates while communicating is counted apart, until
+// freed, and the peak remembers how much of it was live when it was reached.
+TEST(BudgetAllocator, CountsCommunicationBuffersApartAndAtThePeak) {
+  auto& a = BudgetAllocator::install();
+  const int64_t before = a.communication_bytes();
+  a.reset_peak();
+  auto weights = at::empty({250}, at::kFloat);  // 1000 bytes, not communication
+  a.set_communicating(true);
+  auto bucket = at::empty({1000}, at::kFloat);  // 4000
+  at::Tensor worker;
+  std::thread([&] { worker = at::empty({100}, at::kDouble); }).join();  // 800, another thread's
+  a.set_communicating(false);
+  EXPECT_EQ(a.communication_bytes() - before, 4800);
+  EXPECT_EQ(a.peak_communication_bytes() - before, 4800);
+  bucket.reset();
+  EXPECT_EQ(a.communication_bytes() - before, 800);
+  auto after = at::empty({2000}, at::kFloat);  // 8000: a new peak, with only the worker's 800 live
+  EXPECT_EQ(a.peak_communication_bytes() - before, 800);
+  worker.reset();  // freed after communicating stopped: still taken off
+  EXPECT_EQ(a.communication_bytes(), before);
+}
+
 TEST(BudgetAllocator, RefusesAnAllocationPastTheBudget) {
   auto& a = BudgetAllocator::install();
   const int64_t before = a.live_bytes();

@@ -13,11 +13,8 @@ size_t index_of(Phase p) { return static_cast<size_t>(p) - 1; }
 }  // namespace
 
 nlohmann::json Breakdown::to_json() const {
-  return {{"weights", weights},
-          {"gradients", gradients},
-          {"optimizer", optimizer},
-          {"activations", activations},
-          {"other", other}};
+  return {{"weights", weights},         {"gradients", gradients}, {"optimizer", optimizer},
+          {"activations", activations}, {"other", other},         {"communication", communication}};
 }
 
 nlohmann::json StepMemory::to_json() const {
@@ -68,7 +65,7 @@ MemoryMonitor::Scope MemoryMonitor::phase(Phase p) {
   if (!m.seen) m.live_in = entry_live_;
   // Kept for a phase whose peak is its entry level (zero_grad): at its exit the tensors that made
   // that peak (the gradients) are gone and could not be named.
-  entry_breakdown_ = breakdown_at(entry_live_, std::nullopt);
+  entry_breakdown_ = breakdown_at(entry_live_, std::nullopt, probe_.communication_bytes().value_or(0));
   return Scope(this, p);
 }
 
@@ -78,7 +75,9 @@ void MemoryMonitor::exit_phase(Phase p) {
   m.live_out = probe_.live_bytes();
   if (!m.seen || peak > m.peak) {
     m.peak = peak;
-    m.at_peak = peak <= entry_live_ ? entry_breakdown_ : breakdown_at(peak, probe_.peak_sequence());
+    m.at_peak = peak <= entry_live_
+                    ? entry_breakdown_
+                    : breakdown_at(peak, probe_.peak_sequence(), probe_.peak_communication_bytes().value_or(0));
   }
   if (const auto st = probe_.allocator_state()) {
     m.peak_reserved = std::max(m.peak_reserved, st->peak_reserved);
@@ -91,8 +90,9 @@ void MemoryMonitor::exit_phase(Phase p) {
   probe_.set_context(step_, Phase::idle);
 }
 
-Breakdown MemoryMonitor::breakdown_at(int64_t bytes, std::optional<uint64_t> sequence) const {
+Breakdown MemoryMonitor::breakdown_at(int64_t bytes, std::optional<uint64_t> sequence, int64_t communication) const {
   Breakdown b;
+  b.communication = communication;
   b.weights = storage_bytes(tracked_.weights());
   b.optimizer = storage_bytes(tracked_.optimizer());
   std::vector<at::Tensor> grads = tracked_.gradients();
@@ -106,7 +106,7 @@ Breakdown MemoryMonitor::breakdown_at(int64_t bytes, std::optional<uint64_t> seq
   }
   b.gradients = storage_bytes(grads);
   b.other = other_;
-  b.activations = std::max<int64_t>(0, bytes - b.weights - b.optimizer - b.gradients - b.other);
+  b.activations = std::max<int64_t>(0, bytes - b.weights - b.optimizer - b.gradients - b.other - b.communication);
   return b;
 }
 
@@ -134,15 +134,20 @@ void MemoryMonitor::abort_step() {
 }
 
 std::string MemoryMonitor::summary_table() const {
-  std::string out = fmt::format("{:<10} {:>5} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n", "phase", "step", "peak",
+  // The communication column only where there was some (several ranks, on cpu).
+  bool communication = false;
+  for (const PhaseRecord& r : worst_) communication = communication || r.memory.at_peak.communication > 0;
+  std::string out = fmt::format("{:<10} {:>5} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}", "phase", "step", "peak",
                                 "weights", "gradients", "optimizer", "activations", "other");
+  out += communication ? fmt::format(" {:>13}\n", "communication") : "\n";
   for (Phase p : kStepPhases) {
     const PhaseRecord& r = worst_[index_of(p)];
     if (!r.memory.seen) continue;
     const Breakdown& b = r.memory.at_peak;
-    out += fmt::format("{:<10} {:>5} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n", phase_name(p), r.step,
+    out += fmt::format("{:<10} {:>5} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}", phase_name(p), r.step,
                        format_bytes(r.memory.peak), format_bytes(b.weights), format_bytes(b.gradients),
                        format_bytes(b.optimizer), format_bytes(b.activations), format_bytes(b.other));
+    out += communication ? fmt::format(" {:>13}\n", format_bytes(b.communication)) : "\n";
   }
   return out;
 }

@@ -1,5 +1,6 @@
 // MemoryMonitor — per step and per phase: live bytes at entry and exit, the peak inside, and what
-// the peak consisted of (weights, gradients, optimizer state, activations and temporaries, other).
+// the peak consisted of (weights, gradients, optimizer state, activations and temporaries, other,
+// and with several ranks the collectives' buffers, which the probe tells apart on cpu).
 //
 // The trainer opens one scope per phase (`auto s = monitor.phase(Phase::forward);`); a phase entered
 // several times in a step (micro-batches) is merged: first entry, last exit, highest peak. The
@@ -32,7 +33,8 @@ struct Breakdown {
   int64_t optimizer = 0;
   int64_t activations = 0;  // and temporaries
   int64_t other = 0;
-  int64_t total() const { return weights + gradients + optimizer + activations + other; }
+  int64_t communication = 0;  // data parallel: the collectives' buffers (cpu; cuda counts them as activations)
+  int64_t total() const { return weights + gradients + optimizer + activations + other + communication; }
   nlohmann::json to_json() const;
 };
 
@@ -101,8 +103,8 @@ class MemoryMonitor {
   int64_t current_step() const { return step_; }
 
   // What `bytes` in use consisted of at the allocation with sequence number `sequence` (nullopt:
-  // now). Valid inside a step.
-  Breakdown breakdown_at(int64_t bytes, std::optional<uint64_t> sequence) const;
+  // now), `communication` of them the collectives' buffers. Valid inside a step.
+  Breakdown breakdown_at(int64_t bytes, std::optional<uint64_t> sequence, int64_t communication = 0) const;
 
   // Per phase, the highest peak seen over all completed steps, with its breakdown and step.
   struct PhaseRecord {

@@ -48,6 +48,12 @@ class MemoryProbe {
   // `ptr`; nullopt where the backend keeps no per-allocation records (cuda).
   virtual std::optional<uint64_t> peak_sequence() const { return std::nullopt; }
   virtual std::optional<uint64_t> sequence_of(const void* /*ptr*/) const { return std::nullopt; }
+  // Marks the allocations made from now on, by any thread, as a collective's buffers, until switched
+  // off (cpu; cuda's allocator does not tell them apart, and they count as activations there).
+  virtual void set_communicating(bool /*on*/) {}
+  // Live bytes of such buffers now, and when the current peak was reached; nullopt where not known.
+  virtual std::optional<int64_t> communication_bytes() const { return std::nullopt; }
+  virtual std::optional<int64_t> peak_communication_bytes() const { return std::nullopt; }
   // The last refused allocation, where the backend knows it (cpu).
   virtual std::optional<OomEvent> last_oom() const { return std::nullopt; }
   virtual void clear_last_oom() {}

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <regex>
+#include <string_view>
 
 #include "util/error.h"
 #include "util/size.h"
@@ -50,14 +51,14 @@ std::string OomReport::to_text() const {
   out += fmt::format(" with {} in use", format_bytes(in_use));
   if (budget >= 0) out += fmt::format(" of a {} budget", format_bytes(budget));
   out += "\n  in use by category:";
-  const std::pair<const char*, int64_t> cats[] = {{"weights", breakdown.weights},
-                                                  {"gradients", breakdown.gradients},
-                                                  {"optimizer", breakdown.optimizer},
-                                                  {"activations", breakdown.activations},
-                                                  {"other", breakdown.other}};
+  const std::pair<const char*, int64_t> cats[] = {
+      {"weights", breakdown.weights},     {"gradients", breakdown.gradients},
+      {"optimizer", breakdown.optimizer}, {"activations", breakdown.activations},
+      {"other", breakdown.other},         {"communication", breakdown.communication}};
   for (const auto& [name, bytes] : cats) {
+    if (bytes == 0 && std::string_view(name) == "communication") continue;  // one process: none
     const double share = in_use > 0 ? 100.0 * static_cast<double>(bytes) / static_cast<double>(in_use) : 0.0;
-    out += fmt::format("\n    {:<12} {:>11}  {:>5.1f}%", name, format_bytes(bytes), share);
+    out += fmt::format("\n    {:<13} {:>11}  {:>5.1f}%", name, format_bytes(bytes), share);
   }
   out += fmt::format("\n  after releasing the failed step: {} in use ({} before it)", format_bytes(live_after_cleanup),
                      format_bytes(live_before_step));

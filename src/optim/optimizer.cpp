@@ -14,6 +14,14 @@ int64_t Optimizer::state_bytes() const {
   return storage_bytes(tensors);
 }
 
+bool is_matrix(const NamedTensor& param, const OptimizerOptions& options) {
+  if (!options.sharding) return param.tensor.dim() >= 2;
+  for (const auto& p : options.sharding->parameters) {
+    if (p.name == param.name) return p.sizes.size() >= 2;
+  }
+  fail("the optimizer's tensor '{}' is no parameter of the sharded model", param.name);
+}
+
 std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<NamedTensor>& params,
                                           const OptimizerOptions& options) {
   switch (kind) {

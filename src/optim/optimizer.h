@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,8 +35,26 @@ class Optimizer {
   // memory, not checkpointed.
   virtual std::vector<at::Tensor> working_memory() const { return {}; }
 
+  // Whether the state tensor of this name describes its parameter as a whole even when the optimizer
+  // updates a slice (adafactor's factored moments: every rank holds all of them, the same values).
+  // Any other state tensor has one element per element of what is updated, or is a step counter.
+  virtual bool whole_parameter_state(const std::string& /*name*/) const { return false; }
+
   // Bytes held by state(), shared storage counted once.
   int64_t state_bytes() const;
+};
+
+// This rank's part of one parameter, when ranks share the optimizer's work (dist/data_parallel.h).
+struct ParameterSlice {
+  std::string name;
+  std::vector<int64_t> sizes;     // the whole parameter's shape
+  int64_t start = 0, length = 0;  // the part's elements of the flattened parameter (length 0: none here)
+};
+
+struct OptimizerSharding {
+  std::vector<ParameterSlice> parameters;  // every parameter of the model, in the same order on every rank
+  // Sums a float32 tensor over the ranks, in place; every rank calls it at the same point of a step.
+  std::function<void(at::Tensor&)> sum;
 };
 
 // Weight decay applies to matrices only, never to biases and norm weights. Its meaning follows
@@ -50,19 +69,25 @@ struct OptimizerOptions {
   double beta2_decay = -0.8;  // adafactor: beta2_t = 1 - step^beta2_decay
   double adafactor_eps2 = 1e-3;
   double adafactor_clip = 1.0;  // d: the update's RMS is clipped to this
-  // Whether the parameter of this name is a matrix, for tensors whose shape does not say (a rank's
-  // 1-D slice of a parameter, dist/data_parallel.h); unset: a tensor of 2 or more dimensions is one.
-  std::function<bool(const std::string&)> is_matrix;
+  // Set when the optimizer's tensors are this rank's 1-D slices of the parameters
+  // (dist/data_parallel.h): their shapes do not say which are matrices, and adafactor's per-matrix
+  // statistics need the other ranks' parts.
+  std::optional<OptimizerSharding> sharding;
 };
+
+// Whether the parameter of this name is a matrix (weight decay applies; adafactor factors it).
+bool is_matrix(const NamedTensor& param, const OptimizerOptions& options);
 
 // The optimizer's state tensors are allocated here, before the first step:
 //   sgd        none
 //   momentum   one buffer per parameter (1x)
 //   adam/adamw exp_avg and exp_avg_sq (2x), and a float step counter per tensor
 //   adagrad    the sum of squares (1x), and a step counter per tensor
-//   adafactor  for a matrix, row and column second-moment estimates (rows + columns); for a vector,
-//              a full second moment; a step counter per tensor; plus one scratch buffer the size of
-//              the largest parameter, so that a step allocates nothing per parameter
+//   adafactor  for a matrix, row and column second-moment estimates (rows + columns, whole even when
+//              sharded); for a vector, a full second moment (of the slice when sharded); a step
+//              counter per tensor; plus a float32 scratch buffer the size of the largest parameter (its
+//              slice's rows when sharded) and the per-step statistics (rows + columns of each matrix,
+//              two numbers per parameter), so that a step allocates nothing per parameter
 std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<NamedTensor>& params,
                                           const OptimizerOptions& options);
 

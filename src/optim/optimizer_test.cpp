@@ -1,11 +1,13 @@
-#include <gtest/gtest.h>
+#include "optim/optimizer.h"
 
 #include <ATen/ATen.h>
-
-#include "optim/optimizer.h"
-#include "util/error.h"
+#include <gtest/gtest.h>
 
 #include <array>
+#include <barrier>
+#include <thread>
+
+#include "util/error.h"
 
 namespace headroom {
 namespace {
@@ -66,6 +68,91 @@ TEST(Adafactor, TwoStepsOnAMatrixMatchTheHandComputedUpdate) {
   opt->step(0.01);
   const double second[] = {0.9912121621673377, -2.0150199738138443, 0.49286771940188545, 2.9819250085020266};
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(p.view({4})[i].item<float>(), second[i], 2e-6) << i;
+}
+
+// Three ranks (threads here) each update a 1-D slice of a 5x7 matrix and a 4-vector, as
+// dist/data_parallel.h hands them out: slices of ceil(n / 3) elements that start and end inside
+// rows, and none of the vector for the last rank. Summing their parts of the statistics must give
+// each rank its slice of what one process computes on the whole parameters.
+TEST(Adafactor, ShardedSlicesStepAsTheWholeParameters) {
+  constexpr int kRanks = 3;
+  at::manual_seed(3);
+  const at::Tensor w0 = at::randn({5, 7}, at::TensorOptions().dtype(at::kFloat)), v0 = at::randn({4});
+  std::vector<std::array<at::Tensor, 2>> grads;
+  for (int step = 0; step < 3; ++step) grads.push_back({at::randn({5, 7}), at::randn({4})});
+  OptimizerOptions o;
+  o.weight_decay = 0.1;
+
+  auto w = w0.clone().requires_grad_(true), v = v0.clone().requires_grad_(true);
+  auto alone = make_optimizer(OptimizerKind::adafactor, {{"w", w}, {"v", v}}, o);
+  for (const auto& g : grads) {
+    w.mutable_grad() = g[0];
+    v.mutable_grad() = g[1];
+    alone->step(0.05);
+  }
+
+  // The ranks' sum: each puts its tensor up, all add the same parts in rank order, then write.
+  std::barrier sync(kRanks);
+  std::array<at::Tensor, kRanks> shared;
+  auto sum = [&](int rank, at::Tensor& t) {
+    shared[static_cast<size_t>(rank)] = t;
+    sync.arrive_and_wait();
+    at::Tensor total = shared[0].clone();
+    for (size_t k = 1; k < kRanks; ++k) total += shared[k];
+    sync.arrive_and_wait();
+    t.copy_(total);
+  };
+  auto slice = [](int64_t n, int rank) {
+    const int64_t c = (n + kRanks - 1) / kRanks, start = std::min(rank * c, n);
+    return std::make_pair(start, std::min(c, n - start));
+  };
+  std::array<at::Tensor, kRanks> ws, vs;
+  std::array<std::vector<NamedTensor>, kRanks> states;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      const auto [ws_start, ws_len] = slice(35, r);
+      const auto [vs_start, vs_len] = slice(4, r);
+      OptimizerOptions mine = o;
+      mine.sharding = OptimizerSharding{{{"w", {5, 7}, ws_start, ws_len}, {"v", {4}, vs_start, vs_len}},
+                                        [&sum, r](at::Tensor& t) { sum(r, t); }};
+      auto& wr = ws[static_cast<size_t>(r)];
+      auto& vr = vs[static_cast<size_t>(r)];
+      wr = w0.reshape(-1).narrow(0, ws_start, ws_len).clone().requires_grad_(true);
+      vr = v0.narrow(0, vs_start, vs_len).clone().requires_grad_(true);
+      std::vector<NamedTensor> params = {{"w", wr}};
+      if (vs_len > 0) params.push_back({"v", vr});
+      auto opt = make_optimizer(OptimizerKind::adafactor, params, mine);
+      for (const auto& g : grads) {
+        wr.mutable_grad() = g[0].reshape(-1).narrow(0, ws_start, ws_len).clone();
+        if (vs_len > 0) vr.mutable_grad() = g[1].narrow(0, vs_start, vs_len).clone();
+        opt->step(0.05);
+      }
+      states[static_cast<size_t>(r)] = opt->state();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(vs[2].numel(), 0);  // the last rank holds none of the vector
+  EXPECT_TRUE(at::allclose(at::cat({ws[0], ws[1], ws[2]}), w.detach().reshape(-1), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(at::cat({vs[0], vs[1], vs[2]}), v.detach(), 1e-5, 1e-6));
+  EXPECT_FALSE(at::allclose(w.detach(), w0));  // the steps moved it
+  // The factored moments are whole on every rank, the same; the vector's moment is the rank's slice.
+  auto find = [](const std::vector<NamedTensor>& list, const std::string& name) {
+    for (const auto& t : list) {
+      if (t.name == name) return t.tensor;
+    }
+    return at::Tensor();
+  };
+  for (int r = 0; r < kRanks; ++r) {
+    const auto& st = states[static_cast<size_t>(r)];
+    EXPECT_TRUE(at::equal(find(st, "w.row_var"), find(states[0], "w.row_var"))) << r;
+    EXPECT_TRUE(at::allclose(find(st, "w.row_var"), find(alone->state(), "w.row_var"), 1e-5, 1e-7)) << r;
+    EXPECT_TRUE(at::allclose(find(st, "w.col_var"), find(alone->state(), "w.col_var"), 1e-5, 1e-7)) << r;
+    EXPECT_EQ(find(st, "w.step").item<float>(), 3.0f);
+    EXPECT_EQ(find(st, "v.variance").defined(), r < 2) << r;
+  }
+  EXPECT_TRUE(alone->whole_parameter_state("w.row_var"));
+  EXPECT_FALSE(alone->whole_parameter_state("v.variance"));
 }
 
 TEST(Optimizers, StateSizesAreWhatEachMethodHolds) {

@@ -11,10 +11,7 @@
 namespace headroom {
 
 // Matrices decay; vectors (biases, norm weights) do not.
-inline bool decays(const at::Tensor& param) { return param.dim() >= 2; }
-inline bool decays(const NamedTensor& param, const OptimizerOptions& options) {
-  return options.is_matrix ? options.is_matrix(param.name) : decays(param.tensor);
-}
+inline bool decays(const NamedTensor& param, const OptimizerOptions& options) { return is_matrix(param, options); }
 
 // An optimizer over ATen's fused multi-tensor kernels. Each parameter has the same named state
 // slots (e.g. exp_avg, exp_avg_sq, step), allocated up front by the subclass; parameters split into

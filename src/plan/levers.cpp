@@ -30,8 +30,8 @@ std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers) {
   return out;
 }
 
-std::vector<ShardLevel> shard_settings(int64_t world, OptimizerKind optimizer) {
-  if (world <= 1 || optimizer == OptimizerKind::adafactor) return {ShardLevel::none};
+std::vector<ShardLevel> shard_settings(int64_t world) {
+  if (world <= 1) return {ShardLevel::none};
   return {ShardLevel::none, ShardLevel::optimizer, ShardLevel::gradients, ShardLevel::full};
 }
 

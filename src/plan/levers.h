@@ -24,8 +24,8 @@ std::vector<Precision> precision_settings(Precision given);
 std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers);
 std::vector<AttentionPath> attention_settings();
 // Shard levels for `world` data-parallel ranks: none alone for one rank; else none, optimizer,
-// gradients and full, and only none for adafactor (its state does not shard by slice).
-std::vector<ShardLevel> shard_settings(int64_t world, OptimizerKind optimizer);
+// gradients and full.
+std::vector<ShardLevel> shard_settings(int64_t world);
 // The optimizers from the given one: only it, or (allow_change) every kind, the given one first.
 std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change);
 

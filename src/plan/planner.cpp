@@ -78,7 +78,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
       for (const CheckpointPolicy& checkpointing : checkpoint_settings(model.num_layers)) {
         for (AttentionPath attention : attention_settings()) {
           for (OptimizerKind optimizer : optimizer_settings(r.base.optimizer, r.allow_optimizer_change)) {
-            for (ShardLevel shard : shard_settings(world, optimizer)) {
+            for (ShardLevel shard : shard_settings(world)) {
               TrainSpec spec = base_spec;
               spec.batch = micro;
               spec.accum = (per_rank + micro - 1) / micro;

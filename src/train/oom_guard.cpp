@@ -59,7 +59,7 @@ OomReport OomGuard::diagnose(const c10::OutOfMemoryError& e, const StepShape& sh
     r.requested = event->requested;
     r.in_use = event->live;
     r.injected = event->injected;
-    r.breakdown = monitor.breakdown_at(event->live, event->sequence);
+    r.breakdown = monitor.breakdown_at(event->live, event->sequence, event->communication);
   } else {
     r.in_use = probe.peak_bytes();
     r.breakdown = monitor.breakdown_at(r.in_use, std::nullopt);

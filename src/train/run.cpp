@@ -124,7 +124,8 @@ MadeRun make_run(const RunConfig& cfg) {
                                                      run->model->parameter_units(), std::move(slices));
       DataParallel* replicas = run->replicas.get();
       run->forward.gate = replicas->gate();
-      options.is_matrix = [replicas](const std::string& name) { return replicas->is_matrix(name); };
+      options.sharding = replicas->optimizer_sharding();
+      replicas->mark_buffers_with([probe = run->probe.get()](bool on) { probe->set_communicating(on); });
     }
     run->optimizer = make_optimizer(
         cfg.optimizer, run->replicas ? run->replicas->optimizer_parameters() : run->model->parameters(), options);

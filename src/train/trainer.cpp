@@ -54,8 +54,9 @@ std::string config_difference(const nlohmann::json& a, const nlohmann::json& b) 
 // number of steps it had completed.
 // A checkpoint of another layout (written by another number of ranks, or another shard level, or
 // unsharded into a sharded run): the weights from its first file (every file holds them whole,
-// except at --shard full, whose files' slices are put together in rank order); each optimizer state tensor put together
-// whole from the files' slices, in rank order, then cut to this rank's slice. Every rank reads every file.
+// except at --shard full, whose files' slices are put together in rank order); each optimizer state
+// tensor put together whole from the files' slices, in rank order, then cut to this rank's slice
+// (step counters and whole-parameter statistics are taken as they are). Every rank reads every file.
 CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& manifest) {
   const std::string& dir = run.config.resume;
   const int files = manifest ? manifest->ranks : 1;
@@ -117,8 +118,14 @@ CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& mani
     }
     if (pieces.empty()) fail("--resume: '{}' holds no optimizer state '{}'; it was written for another model", dir, s.name);
     at::Tensor target = s.tensor;
-    if (target.dim() == 0) {  // a step counter: the same on every rank that holds the parameter
-      target.copy_(pieces.front().reshape({}));
+    // A step counter, or a statistic of the whole parameter (adafactor's factored moments): the same
+    // in every file that holds the parameter.
+    if (target.dim() == 0 || run.optimizer->whole_parameter_state(s.name)) {
+      if (pieces.front().numel() != target.numel()) {
+        fail("--resume: optimizer state '{}' in '{}' has {} elements, this run's {}: a different model", s.name, dir,
+             pieces.front().numel(), target.numel());
+      }
+      target.copy_(pieces.front().view(target.sizes()));
       continue;
     }
     const std::string param = s.name.substr(0, s.name.rfind('.'));
