@@ -17,19 +17,21 @@ namespace {
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 }  // namespace
 
-class DataParallel::Buffers {
+class DataParallel::Tagged {
  public:
-  explicit Buffers(DataParallel& dp) : dp_(dp) {
-    if (dp_.buffers_depth_++ == 0 && dp_.mark_) dp_.mark_(true);
-  }
-  ~Buffers() {
-    if (--dp_.buffers_depth_ == 0 && dp_.mark_) dp_.mark_(false);
-  }
-  Buffers(const Buffers&) = delete;
-  Buffers& operator=(const Buffers&) = delete;
+  Tagged(DataParallel& dp, AllocationTag tag) : dp_(dp), previous_(dp.current_tag_) { set(tag); }
+  ~Tagged() { set(previous_); }
+  Tagged(const Tagged&) = delete;
+  Tagged& operator=(const Tagged&) = delete;
 
  private:
+  void set(AllocationTag tag) {
+    if (tag == dp_.current_tag_) return;
+    dp_.current_tag_ = tag;
+    if (dp_.tag_) dp_.tag_(tag);
+  }
   DataParallel& dp_;
+  AllocationTag previous_;
 };
 
 DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& params, ShardLevel level,
@@ -127,7 +129,7 @@ std::optional<OptimizerSharding> DataParallel::optimizer_sharding() {
     out.parameters.push_back({params_[i].name, params_[i].tensor.sizes().vec(), slices_[i].start, slices_[i].length});
   }
   out.sum = [this](at::Tensor& t) {
-    const Buffers buffers(*this);
+    const Tagged buffers(*this, AllocationTag::communication);
     comm_.allreduce(t, ReduceOp::sum);
   };
   return out;
@@ -144,7 +146,7 @@ std::optional<std::pair<int64_t, int64_t>> DataParallel::slice_of(const std::str
 
 void DataParallel::reduce_parameter(size_t i, bool zeros) {
   const c10::NoGradGuard no_grad;
-  const Buffers buffers(*this);
+  const Tagged buffers(*this, AllocationTag::communication);
   const Slice& s = slices_[i];
   const at::Tensor& param = params_[i].tensor;
   const at::Tensor grad = zeros ? at::Tensor() : param.grad();
@@ -230,7 +232,7 @@ void DataParallel::completing_owed_collectives(const std::function<void()>& owed
 
 void DataParallel::gather_zeros(size_t param) {
   const c10::NoGradGuard no_grad;
-  const Buffers buffers(*this);
+  const Tagged buffers(*this, AllocationTag::communication);
   const int64_t chunk = slices_[param].chunk;
   at::Tensor output = at::empty({chunk * comm_.size()}, shard_grads_.options());
   at::Tensor input = at::zeros({chunk}, shard_grads_.options());
@@ -255,11 +257,14 @@ void DataParallel::gather(int unit) {
   const c10::NoGradGuard no_grad;
   for (size_t i : unit_params_[u]) {
     const Slice& s = slices_[i];
-    restore_storage(params_[i].tensor);
+    {
+      const Tagged gathered(*this, AllocationTag::gathered_weights);
+      restore_storage(params_[i].tensor);
+    }
     // Written through an alias autograd does not track: the values come back unchanged, and
     // backward's saved references to the parameter must not see a modification.
     at::Tensor flat = untracked_flat(params_[i].tensor);
-    const Buffers buffers(*this);
+    const Tagged buffers(*this, AllocationTag::communication);
     at::Tensor input = weight_slices_[i];
     if (s.length != s.chunk) {
       input = at::zeros({s.chunk}, flat.options());
@@ -294,14 +299,14 @@ void DataParallel::release_all() {
 }
 
 int DataParallel::agree(int code) {
-  const Buffers buffers(*this);
+  const Tagged buffers(*this, AllocationTag::communication);
   at::Tensor t = at::full({1}, static_cast<int64_t>(code), at::kLong);
   comm_.allreduce(t, ReduceOp::max);
   return static_cast<int>(t.item<int64_t>());
 }
 
 double DataParallel::sum(double value) {
-  const Buffers buffers(*this);
+  const Tagged buffers(*this, AllocationTag::communication);
   at::Tensor t = at::full({1}, value, at::kDouble);
   comm_.allreduce(t, ReduceOp::sum);
   return t.item<double>();
@@ -315,7 +320,7 @@ void DataParallel::allreduce_buckets() {
   int64_t bucket_bytes = 0;
   auto flush = [&] {
     if (bucket.empty()) return;
-    const Buffers buffers(*this);
+    const Tagged buffers(*this, AllocationTag::communication);
     if (bucket.size() == 1 && bucket.front().is_contiguous()) {
       comm_.allreduce(bucket.front());  // one tensor: in place, no copy
     } else {
@@ -386,7 +391,7 @@ void DataParallel::gather_parameters() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Slice& s = slices_[i];
     at::Tensor flat = params_[i].tensor.detach().view(-1);
-    const Buffers buffers(*this);
+    const Tagged buffers(*this, AllocationTag::communication);
     at::Tensor input = at::empty({s.chunk}, flat.options());
     if (s.length > 0) input.narrow(0, 0, s.length).copy_(flat.narrow(0, s.start, s.length));
     allgather_into(flat, input, s);

@@ -50,6 +50,7 @@
 
 #include "config/shard_level.h"
 #include "dist/communicator.h"
+#include "memory/allocation_tag.h"
 #include "model/parameter_gate.h"
 #include "optim/optimizer.h"
 #include "util/named_tensor.h"
@@ -123,9 +124,9 @@ class DataParallel final : private ParameterGate {
   void zero_grad();
   // Memory this class holds across steps (the shard gradient buffer), for the monitor's gradients.
   std::vector<at::Tensor> gradient_buffers() const;
-  // Called with true before this class allocates a collective's buffers (and the collective runs),
-  // false after: the monitor's communication category (memory/memory_probe.h).
-  void mark_buffers_with(std::function<void(bool)> mark) { mark_ = std::move(mark); }
+  // Told what this class's allocations are from then on (memory/allocation_tag.h): a collective's
+  // buffers, weights gathered from the ranks' slices, none once done; for the monitor's categories.
+  void tag_allocations_with(std::function<void(AllocationTag)> tag) { tag_ = std::move(tag); }
   // full: the rank's weight slices, for the monitor's weights (empty at the other levels).
   const std::vector<at::Tensor>& weight_slices() const { return weight_slices_; }
   // What a checkpoint holds of the weights: the parameters, or at full this rank's slice of each,
@@ -152,11 +153,11 @@ class DataParallel final : private ParameterGate {
   // cannot be kept in step after it.
   void completing_owed_collectives(const std::function<void()>& owed);
 
-  class Buffers;  // while alive, allocations are the collectives' buffers (nests)
+  class Tagged;  // while alive, allocations have its tag (nests)
 
   Communicator& comm_;
-  std::function<void(bool)> mark_;
-  int buffers_depth_ = 0;
+  std::function<void(AllocationTag)> tag_;
+  AllocationTag current_tag_ = AllocationTag::none;
   std::vector<NamedTensor> params_;
   ShardLevel level_;
   int64_t bucket_bytes_;

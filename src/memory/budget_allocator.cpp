@@ -40,7 +40,17 @@ void BudgetAllocator::reset_peak() {
   if (heap_ != nullptr) heap_->policy().reset_peaks();
   peak_.store(live_bytes(), std::memory_order_relaxed);
   peak_seq_.store(allocation_count(), std::memory_order_relaxed);
-  peak_communication_.store(communication_bytes(), std::memory_order_relaxed);
+  peak_tagged_ = tagged_;
+}
+
+TaggedBytes BudgetAllocator::tagged_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return tagged_;
+}
+
+TaggedBytes BudgetAllocator::peak_tagged_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_tagged_;
 }
 
 void BudgetAllocator::clear_last_oom() {
@@ -89,7 +99,7 @@ void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool inje
   e.step = step_.load();
   e.phase = static_cast<Phase>(phase_.load());
   e.sequence = allocation_count();
-  e.communication = communication_bytes();
+  e.tagged = tagged_bytes();
   e.injected = injected;
   e.caching = caching;
   {
@@ -137,14 +147,14 @@ void BudgetAllocator::record(void* ptr, AllocationRecord rec) {
   rec.sequence = count_.load(std::memory_order_relaxed) + 1;
   records_.emplace(ptr, rec);
   count_.store(rec.sequence, std::memory_order_relaxed);
-  if (rec.communication) communication_.fetch_add(rec.bytes, std::memory_order_relaxed);
+  tagged_[rec.tag] += rec.bytes;
   ++histogram_[size_class(rec.bytes)];
   // Under the lock, so that the peak and the allocation that set it agree.
   const int64_t now = live_bytes();
   if (now > peak_.load(std::memory_order_relaxed)) {
     peak_.store(now, std::memory_order_relaxed);
     peak_seq_.store(rec.sequence, std::memory_order_relaxed);
-    peak_communication_.store(communication_bytes(), std::memory_order_relaxed);
+    peak_tagged_ = tagged_;
   }
 }
 
@@ -192,7 +202,7 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   rec.bytes = n;
   rec.step = step_.load(std::memory_order_relaxed);
   rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
-  rec.communication = communicating_.load(std::memory_order_relaxed);
+  rec.tag = tag();
   if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
   try {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -213,7 +223,7 @@ std::optional<c10::DataPtr> BudgetAllocator::allocate_cached(int64_t n) {
   rec.bytes = n;
   rec.step = step_.load(std::memory_order_relaxed);
   rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
-  rec.communication = communicating_.load(std::memory_order_relaxed);
+  rec.tag = tag();
   if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
   std::optional<CachingOom> refused;
   void* ptr = nullptr;
@@ -250,7 +260,7 @@ void BudgetAllocator::on_free(void* ptr) {
     }
     bytes = it->second.bytes;
     CachingHeap* heap = it->second.heap;
-    if (it->second.communication) communication_.fetch_sub(bytes, std::memory_order_relaxed);
+    tagged_[it->second.tag] -= bytes;
     records_.erase(it);
     live_.fetch_sub(bytes, std::memory_order_relaxed);
     if (heap != nullptr) {

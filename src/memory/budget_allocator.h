@@ -30,14 +30,15 @@
 #include <c10/core/Allocator.h>
 
 #include <array>
-#include <memory>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
 #include <vector>
 
+#include "memory/allocation_tag.h"
 #include "memory/caching_heap.h"
 #include "memory/phase.h"
 
@@ -53,7 +54,7 @@ struct AllocationRecord {
   int frames = 0;  // entries of `stack` in use (0 unless backtraces are on)
   std::array<void*, kMaxFrames> stack{};
   CachingHeap* heap = nullptr;  // the heap that served it (caching), else null
-  bool communication = false;   // made while set_communicating(true): a collective's buffer
+  AllocationTag tag = AllocationTag::none;  // set_tag() when it was made
 };
 
 struct LiveAllocation {
@@ -69,7 +70,7 @@ struct OomEvent {
   int64_t step = -1;
   Phase phase = Phase::idle;
   uint64_t sequence = 0;  // allocations made before it
-  int64_t communication = 0;  // of `live`, bytes made while communicating
+  TaggedBytes tagged;     // of `live`, the tagged allocations' bytes
   bool injected = false;
   std::optional<CachingOom> caching;  // the caching allocator's state when it refused
 };
@@ -112,11 +113,12 @@ class BudgetAllocator final : public c10::Allocator {
   // Tags later allocations (records, OOM messages).
   void set_context(int64_t step, Phase phase);
   int64_t context_step() const { return step_.load(std::memory_order_relaxed); }
-  // Tags later allocations, from any thread (a collective's own worker too), as communication
-  // buffers until switched off; their live bytes are counted apart, and at the peak.
-  void set_communicating(bool on) { communicating_.store(on, std::memory_order_relaxed); }
-  int64_t communication_bytes() const { return communication_.load(std::memory_order_relaxed); }
-  int64_t peak_communication_bytes() const { return peak_communication_.load(std::memory_order_relaxed); }
+  // Tags later allocations, from any thread (a collective's own worker too), until changed
+  // (memory/allocation_tag.h); their live bytes are counted apart by tag, now and at the peak.
+  void set_tag(AllocationTag tag) { tag_.store(static_cast<uint8_t>(tag), std::memory_order_relaxed); }
+  AllocationTag tag() const { return static_cast<AllocationTag>(tag_.load(std::memory_order_relaxed)); }
+  TaggedBytes tagged_bytes() const;
+  TaggedBytes peak_tagged_bytes() const;
   Phase context_phase() const { return static_cast<Phase>(phase_.load(std::memory_order_relaxed)); }
 
   // Fault injection, one-shot: the n-th allocation from now (n >= 1) fails, or the first larger
@@ -175,9 +177,8 @@ class BudgetAllocator final : public c10::Allocator {
   std::atomic<int64_t> peak_{0};
   std::atomic<uint64_t> count_{0};
   std::atomic<uint64_t> peak_seq_{0};
-  std::atomic<int64_t> communication_{0};       // live bytes of communication buffers (under mutex_)
-  std::atomic<int64_t> peak_communication_{0};  // ... when the peak was reached
-  std::atomic<bool> communicating_{false};
+  TaggedBytes tagged_, peak_tagged_;  // under mutex_: live tagged bytes, now and when the peak was reached
+  std::atomic<uint8_t> tag_{0};
   std::atomic<int64_t> budget_{-1};
   std::atomic<int64_t> step_{-1};
   std::atomic<uint8_t> phase_{0};

@@ -30,26 +30,35 @@ TEST(BudgetAllocator, CountsExactlyTheBytesOfKnownTensors) {
   EXPECT_EQ(a.peak_bytes(), before);
 }
 
-// A collective's buffers: what any thread allocates while communicating is counted apart, until
-// freed, and the peak remembers how much of it was live when it was reached.
-TEST(BudgetAllocator, CountsCommunicationBuffersApartAndAtThePeak) {
+// Tagged allocations (a collective's buffers, gathered weights): what any thread allocates under a
+// tag is counted apart by tag until freed, and the peak remembers how much of each was live then.
+TEST(BudgetAllocator, CountsTaggedAllocationsApartAndAtThePeak) {
+  using enum AllocationTag;
   auto& a = BudgetAllocator::install();
-  const int64_t before = a.communication_bytes();
+  const TaggedBytes before = a.tagged_bytes();
+  auto comm = [&](const TaggedBytes& t) { return t[communication] - before[communication]; };
+  auto gathered = [&](const TaggedBytes& t) { return t[gathered_weights] - before[gathered_weights]; };
   a.reset_peak();
-  auto weights = at::empty({250}, at::kFloat);  // 1000 bytes, not communication
-  a.set_communicating(true);
+  auto plain = at::empty({250}, at::kFloat);  // 1000 bytes, untagged
+  a.set_tag(gathered_weights);
+  auto layer = at::empty({500}, at::kFloat);  // 2000
+  a.set_tag(communication);
   auto bucket = at::empty({1000}, at::kFloat);  // 4000
   at::Tensor worker;
   std::thread([&] { worker = at::empty({100}, at::kDouble); }).join();  // 800, another thread's
-  a.set_communicating(false);
-  EXPECT_EQ(a.communication_bytes() - before, 4800);
-  EXPECT_EQ(a.peak_communication_bytes() - before, 4800);
+  a.set_tag(none);
+  EXPECT_EQ(comm(a.tagged_bytes()), 4800);
+  EXPECT_EQ(gathered(a.tagged_bytes()), 2000);
+  EXPECT_EQ(comm(a.peak_tagged_bytes()), 4800);
   bucket.reset();
-  EXPECT_EQ(a.communication_bytes() - before, 800);
-  auto after = at::empty({2000}, at::kFloat);  // 8000: a new peak, with only the worker's 800 live
-  EXPECT_EQ(a.peak_communication_bytes() - before, 800);
-  worker.reset();  // freed after communicating stopped: still taken off
-  EXPECT_EQ(a.communication_bytes(), before);
+  layer.reset();
+  EXPECT_EQ(comm(a.tagged_bytes()), 800);
+  EXPECT_EQ(gathered(a.tagged_bytes()), 0);
+  auto after = at::empty({2000}, at::kFloat);  // 8000: a new peak, with only the worker's 800 tagged
+  EXPECT_EQ(comm(a.peak_tagged_bytes()), 800);
+  EXPECT_EQ(gathered(a.peak_tagged_bytes()), 0);
+  worker.reset();  // freed after the tag changed: still taken off
+  EXPECT_EQ(comm(a.tagged_bytes()), 0);
 }
 
 TEST(BudgetAllocator, RefusesAnAllocationPastTheBudget) {

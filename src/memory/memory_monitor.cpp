@@ -65,7 +65,7 @@ MemoryMonitor::Scope MemoryMonitor::phase(Phase p) {
   if (!m.seen) m.live_in = entry_live_;
   // Kept for a phase whose peak is its entry level (zero_grad): at its exit the tensors that made
   // that peak (the gradients) are gone and could not be named.
-  entry_breakdown_ = breakdown_at(entry_live_, std::nullopt, probe_.communication_bytes().value_or(0));
+  entry_breakdown_ = breakdown_at(entry_live_, std::nullopt, probe_.tagged_bytes());
   return Scope(this, p);
 }
 
@@ -75,9 +75,8 @@ void MemoryMonitor::exit_phase(Phase p) {
   m.live_out = probe_.live_bytes();
   if (!m.seen || peak > m.peak) {
     m.peak = peak;
-    m.at_peak = peak <= entry_live_
-                    ? entry_breakdown_
-                    : breakdown_at(peak, probe_.peak_sequence(), probe_.peak_communication_bytes().value_or(0));
+    m.at_peak =
+        peak <= entry_live_ ? entry_breakdown_ : breakdown_at(peak, probe_.peak_sequence(), probe_.peak_tagged_bytes());
   }
   if (const auto st = probe_.allocator_state()) {
     m.peak_reserved = std::max(m.peak_reserved, st->peak_reserved);
@@ -90,10 +89,13 @@ void MemoryMonitor::exit_phase(Phase p) {
   probe_.set_context(step_, Phase::idle);
 }
 
-Breakdown MemoryMonitor::breakdown_at(int64_t bytes, std::optional<uint64_t> sequence, int64_t communication) const {
+Breakdown MemoryMonitor::breakdown_at(int64_t bytes, std::optional<uint64_t> sequence,
+                                      const TaggedBytes& tagged) const {
   Breakdown b;
-  b.communication = communication;
-  b.weights = storage_bytes(tracked_.weights());
+  b.communication = tagged[AllocationTag::communication];
+  // The weights now, with those gathered then in place of those gathered now (--shard full).
+  b.weights = storage_bytes(tracked_.weights()) - probe_.tagged_bytes()[AllocationTag::gathered_weights] +
+              tagged[AllocationTag::gathered_weights];
   b.optimizer = storage_bytes(tracked_.optimizer());
   std::vector<at::Tensor> grads = tracked_.gradients();
   std::erase_if(grads, [](const at::Tensor& g) { return !g.defined(); });

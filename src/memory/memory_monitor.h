@@ -1,6 +1,7 @@
 // MemoryMonitor — per step and per phase: live bytes at entry and exit, the peak inside, and what
 // the peak consisted of (weights, gradients, optimizer state, activations and temporaries, other,
-// and with several ranks the collectives' buffers, which the probe tells apart on cpu).
+// and with several ranks the collectives' buffers, which the probe tells apart on cpu, as it does
+// weights gathered from the ranks' slices and let go before the phase's end).
 //
 // The trainer opens one scope per phase (`auto s = monitor.phase(Phase::forward);`); a phase entered
 // several times in a step (micro-batches) is merged: first entry, last exit, highest peak. The
@@ -103,8 +104,9 @@ class MemoryMonitor {
   int64_t current_step() const { return step_; }
 
   // What `bytes` in use consisted of at the allocation with sequence number `sequence` (nullopt:
-  // now), `communication` of them the collectives' buffers. Valid inside a step.
-  Breakdown breakdown_at(int64_t bytes, std::optional<uint64_t> sequence, int64_t communication = 0) const;
+  // now), `tagged` of them tagged then (the collectives' buffers, weights gathered for a while:
+  // memory/allocation_tag.h). Valid inside a step.
+  Breakdown breakdown_at(int64_t bytes, std::optional<uint64_t> sequence, const TaggedBytes& tagged = {}) const;
 
   // Per phase, the highest peak seen over all completed steps, with its breakdown and step.
   struct PhaseRecord {

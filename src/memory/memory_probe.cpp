@@ -54,9 +54,10 @@ class CpuProbe final : public MemoryProbe {
   void reset_peak() override { a_.reset_peak(); }
   void set_context(int64_t step, Phase phase) override { a_.set_context(step, phase); }
   std::optional<uint64_t> peak_sequence() const override { return a_.peak_sequence(); }
-  void set_communicating(bool on) override { a_.set_communicating(on); }
-  std::optional<int64_t> communication_bytes() const override { return a_.communication_bytes(); }
-  std::optional<int64_t> peak_communication_bytes() const override { return a_.peak_communication_bytes(); }
+  void set_tag(AllocationTag tag) override { a_.set_tag(tag); }
+  AllocationTag tag() const override { return a_.tag(); }
+  TaggedBytes tagged_bytes() const override { return a_.tagged_bytes(); }
+  TaggedBytes peak_tagged_bytes() const override { return a_.peak_tagged_bytes(); }
   std::optional<uint64_t> sequence_of(const void* ptr) const override {
     auto r = a_.record_of(ptr);
     return r ? std::optional<uint64_t>(r->sequence) : std::nullopt;

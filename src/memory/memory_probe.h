@@ -48,12 +48,13 @@ class MemoryProbe {
   // `ptr`; nullopt where the backend keeps no per-allocation records (cuda).
   virtual std::optional<uint64_t> peak_sequence() const { return std::nullopt; }
   virtual std::optional<uint64_t> sequence_of(const void* /*ptr*/) const { return std::nullopt; }
-  // Marks the allocations made from now on, by any thread, as a collective's buffers, until switched
-  // off (cpu; cuda's allocator does not tell them apart, and they count as activations there).
-  virtual void set_communicating(bool /*on*/) {}
-  // Live bytes of such buffers now, and when the current peak was reached; nullopt where not known.
-  virtual std::optional<int64_t> communication_bytes() const { return std::nullopt; }
-  virtual std::optional<int64_t> peak_communication_bytes() const { return std::nullopt; }
+  // Tags the allocations made from now on, by any thread, until changed (memory/allocation_tag.h;
+  // cpu: cuda's allocator does not tell them apart, and the monitor counts them as activations).
+  virtual void set_tag(AllocationTag /*tag*/) {}
+  virtual AllocationTag tag() const { return AllocationTag::none; }
+  // Live bytes per tag now, and when the current peak was reached (zeros where not told apart).
+  virtual TaggedBytes tagged_bytes() const { return {}; }
+  virtual TaggedBytes peak_tagged_bytes() const { return {}; }
   // The last refused allocation, where the backend knows it (cpu).
   virtual std::optional<OomEvent> last_oom() const { return std::nullopt; }
   virtual void clear_last_oom() {}

@@ -59,10 +59,10 @@ OomReport OomGuard::diagnose(const c10::OutOfMemoryError& e, const StepShape& sh
     r.requested = event->requested;
     r.in_use = event->live;
     r.injected = event->injected;
-    r.breakdown = monitor.breakdown_at(event->live, event->sequence, event->communication);
+    r.breakdown = monitor.breakdown_at(event->live, event->sequence, event->tagged);
   } else {
     r.in_use = probe.peak_bytes();
-    r.breakdown = monitor.breakdown_at(r.in_use, std::nullopt);
+    r.breakdown = monitor.breakdown_at(r.in_use, std::nullopt, probe.peak_tagged_bytes());
   }
   // Release what the failed step held: its activations are gone with the unwound stack, its
   // gradients are not.

@@ -125,7 +125,7 @@ MadeRun make_run(const RunConfig& cfg) {
       DataParallel* replicas = run->replicas.get();
       run->forward.gate = replicas->gate();
       options.sharding = replicas->optimizer_sharding();
-      replicas->mark_buffers_with([probe = run->probe.get()](bool on) { probe->set_communicating(on); });
+      replicas->tag_allocations_with([probe = run->probe.get()](AllocationTag tag) { probe->set_tag(tag); });
     }
     run->optimizer = make_optimizer(
         cfg.optimizer, run->replicas ? run->replicas->optimizer_parameters() : run->model->parameters(), options);
