@@ -213,6 +213,23 @@ TEST(Cli, EstimateAndPlanPrintTheirContracts) {
   expect_usage_error("train --plan manual", "--plan 'manual': accepted: auto");
 }
 
+// plan --world-size N predicts for N ranks without launching them: its calibration times one
+// process (it once tried to train as one of N and stopped), and every shard level is a lever, with
+// adafactor too.
+TEST(Cli, PlanForSeveralRanksCalibratesAloneAndWeighsEveryShardLevel) {
+  const Result p =
+      run("plan --seq 32 --global-batch 4 --memory-budget 64MiB --device cpu --world-size 2 "
+          "--optimizer adafactor --json --quiet");
+  ASSERT_EQ(p.code, 0) << p.err;
+  std::set<std::string> shards;
+  const auto result = nlohmann::json::parse(p.out);
+  for (const auto& plan : result["plans"]) {
+    EXPECT_EQ(plan["world_size"], 2);
+    shards.insert(plan["shard"].get<std::string>());
+  }
+  EXPECT_EQ(shards, (std::set<std::string>{"none", "optimizer", "gradients", "full"}));
+}
+
 TEST(Cli, HelpListsTheFlagsAndExitCodes) {
   const Result top = run("--help");
   EXPECT_EQ(top.code, 0);

@@ -83,7 +83,8 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "--allow-optimizer-change), peak predicted by the estimator, step time by a cost model calibrated\n"
       "with a few timed steps on this machine. With --world-size N (data parallel under torchrun) the\n"
       "global batch is split over N ranks, peaks are per rank, and the shard level (none, optimizer,\n"
-      "gradients) is a lever, its collectives costed at an assumed link speed. Exit code 3 when nothing fits.");
+      "gradients, full) is a lever, its collectives costed at an assumed link speed; nothing is launched (the\n"
+      "calibration times one process). Exit code 3 when nothing fits.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "precision", "optimizer",
                                      "memory-budget", "threads", "world-size", "json", "quiet"});
   auto o = std::make_shared<PlanOptions>();

@@ -106,7 +106,7 @@ class MemoryMonitor {
   // What `bytes` in use consisted of at the allocation with sequence number `sequence` (nullopt:
   // now), `tagged` of them tagged then (the collectives' buffers, weights gathered for a while:
   // memory/allocation_tag.h). Valid inside a step.
-  Breakdown breakdown_at(int64_t bytes, std::optional<uint64_t> sequence, const TaggedBytes& tagged = {}) const;
+  Breakdown breakdown_at(int64_t bytes, std::optional<uint64_t> sequence, const TaggedBytes& tagged) const;
 
   // Per phase, the highest peak seen over all completed steps, with its breakdown and step.
   struct PhaseRecord {

@@ -30,6 +30,9 @@ class Adafactor final : public Optimizer {
   Adafactor(const std::vector<NamedTensor>& params, const OptimizerOptions& options) : options_(options) {
     c10::NoGradGuard no_grad;
     if (options.sharding) {
+      // Its buffers must live where the other ranks' do (the sums run on the device's backend).
+      TORCH_CHECK(!params.empty(), "Adafactor: a sharded rank must own part of some parameter");
+      size_t matched = 0;
       for (const ParameterSlice& ps : options.sharding->parameters) {
         Slot s;
         s.name = ps.name;
@@ -37,12 +40,16 @@ class Adafactor final : public Optimizer {
         s.start = ps.start;
         s.length = ps.length;
         for (const auto& p : params) {
-          if (p.name == ps.name) s.param = p.tensor;
+          if (p.name == ps.name) {
+            s.param = p.tensor;
+            ++matched;
+          }
         }
         TORCH_CHECK(s.length == 0 || (s.param.defined() && s.param.numel() == s.length), "Adafactor: no slice of ",
                     ps.length, " elements given for ", ps.name);
         slots_.push_back(std::move(s));
       }
+      TORCH_CHECK(matched == params.size(), "Adafactor: a tensor to update is no parameter of the sharding");
     } else {
       for (const auto& p : params) {
         Slot s;

@@ -87,7 +87,7 @@ bool is_matrix(const NamedTensor& param, const OptimizerOptions& options);
 //              sharded); for a vector, a full second moment (of the slice when sharded); a step
 //              counter per tensor; plus a float32 scratch buffer the size of the largest parameter (its
 //              slice's rows when sharded) and the per-step statistics (rows + columns of each matrix,
-//              two numbers per parameter), so that a step allocates nothing per parameter
+//              two numbers per parameter), so that a step allocates no parameter-sized temporaries
 std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<NamedTensor>& params,
                                           const OptimizerOptions& options);
 

@@ -25,6 +25,10 @@ std::optional<double> time_train_step(const RunConfig& base, Precision precision
   cfg.attention = AttentionPath::flash;
   cfg.memory_budget.reset();  // timing only; memory is the estimator's business
   cfg.inject_leak = LeakInjection::none;
+  // One process: a data-parallel rank computes the same micro-batch (plan --world-size N costs the
+  // collectives apart, and launches nothing).
+  cfg.world_size = 0;
+  cfg.shard = ShardLevel::none;
   const TrainResult r = train(cfg);
   throw_if_interrupted("while timing steps for the planner");
   if (!r.fits()) return std::nullopt;
