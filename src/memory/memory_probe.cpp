@@ -55,7 +55,6 @@ class CpuProbe final : public MemoryProbe {
   void set_context(int64_t step, Phase phase) override { a_.set_context(step, phase); }
   std::optional<uint64_t> peak_sequence() const override { return a_.peak_sequence(); }
   void set_tag(AllocationTag tag) override { a_.set_tag(tag); }
-  AllocationTag tag() const override { return a_.tag(); }
   TaggedBytes tagged_bytes() const override { return a_.tagged_bytes(); }
   TaggedBytes peak_tagged_bytes() const override { return a_.peak_tagged_bytes(); }
   std::optional<uint64_t> sequence_of(const void* ptr) const override {

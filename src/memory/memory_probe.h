@@ -51,7 +51,6 @@ class MemoryProbe {
   // Tags the allocations made from now on, by any thread, until changed (memory/allocation_tag.h;
   // cpu: cuda's allocator does not tell them apart, and the monitor counts them as activations).
   virtual void set_tag(AllocationTag /*tag*/) {}
-  virtual AllocationTag tag() const { return AllocationTag::none; }
   // Live bytes per tag now, and when the current peak was reached (zeros where not told apart).
   virtual TaggedBytes tagged_bytes() const { return {}; }
   virtual TaggedBytes peak_tagged_bytes() const { return {}; }

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include <regex>
-#include <string_view>
+#include <vector>
 
 #include "util/error.h"
 #include "util/size.h"
@@ -51,12 +51,13 @@ std::string OomReport::to_text() const {
   out += fmt::format(" with {} in use", format_bytes(in_use));
   if (budget >= 0) out += fmt::format(" of a {} budget", format_bytes(budget));
   out += "\n  in use by category:";
-  const std::pair<const char*, int64_t> cats[] = {
-      {"weights", breakdown.weights},     {"gradients", breakdown.gradients},
-      {"optimizer", breakdown.optimizer}, {"activations", breakdown.activations},
-      {"other", breakdown.other},         {"communication", breakdown.communication}};
+  std::vector<std::pair<const char*, int64_t>> cats = {{"weights", breakdown.weights},
+                                                       {"gradients", breakdown.gradients},
+                                                       {"optimizer", breakdown.optimizer},
+                                                       {"activations", breakdown.activations},
+                                                       {"other", breakdown.other}};
+  if (breakdown.communication > 0) cats.emplace_back("communication", breakdown.communication);  // ranks only
   for (const auto& [name, bytes] : cats) {
-    if (bytes == 0 && std::string_view(name) == "communication") continue;  // one process: none
     const double share = in_use > 0 ? 100.0 * static_cast<double>(bytes) / static_cast<double>(in_use) : 0.0;
     out += fmt::format("\n    {:<13} {:>11}  {:>5.1f}%", name, format_bytes(bytes), share);
   }
