@@ -22,8 +22,8 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
                          "With --memory-budget, also say whether it fits (exit code 3 when it does not): with a\n"
                          "caching allocator, by reserved memory under that cap.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "batch", "accum", "seq", "device", "attention",
-                                     "precision", "checkpointing", "optimizer", "memory-budget", "allocator",
-                                     "allocator-conf", "world-size", "shard", "json", "quiet"});
+                                     "precision", "checkpointing", "optimizer", "optimizer-impl", "memory-budget",
+                                     "allocator", "allocator-conf", "world-size", "shard", "json", "quiet"});
   cmd->callback([config, &run] {
     run = [config]() -> int {
       const RunConfig cfg = config();

@@ -7,6 +7,8 @@
 #include <memory>
 
 #include "cli/run_flags.h"
+#include "device/device.h"
+#include "plan/plan_settings.h"
 #include "plan/planner.h"
 #include "train/step_timing.h"
 #include "util/error.h"
@@ -23,7 +25,14 @@ struct PlanOptions {
   bool allow_optimizer_change = false;
   bool calibrate = true;
   int64_t top = 10;
+  std::string emit;  // "hf" or "torch": the best plan as settings to paste
 };
+
+// The best plan as the settings --emit names, as Python source.
+std::string emitted(const RunConfig& cfg, const PlanOptions& o, const Plan& best) {
+  if (o.emit == "hf") return training_arguments_code(best);
+  return torch_loop_code(best, resolve_device(cfg.device).is_cuda() ? "cuda" : "cpu");
+}
 
 // The planner with the cost model calibrated on this machine (unless --no-calibrate).
 PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& request) {
@@ -86,7 +95,7 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "gradients, full) is a lever, its collectives costed at an assumed link speed; nothing is launched (the\n"
       "calibration times one process). Exit code 3 when nothing fits.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "seq", "seed", "device", "precision", "optimizer",
-                                     "memory-budget", "threads", "world-size", "json", "quiet"});
+                                     "optimizer-impl", "memory-budget", "threads", "world-size", "json", "quiet"});
   auto o = std::make_shared<PlanOptions>();
   cmd->add_option("--global-batch", o->global_batch, "sequences per optimizer step (required)")
       ->required()
@@ -96,6 +105,10 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
   cmd->add_flag("--allow-optimizer-change", o->allow_optimizer_change,
                 "also consider other optimizers (they change the training dynamics)");
   cmd->add_flag("!--no-calibrate", o->calibrate, "rank by FLOPs alone, without timing steps on this machine");
+  cmd->add_option("--emit", o->emit,
+                  "also print the best plan as settings to paste: hf (transformers TrainingArguments and\n"
+                  "from_pretrained arguments) or torch (a plain loop: accumulation, autocast, checkpointing)")
+      ->check(CLI::IsMember({"hf", "torch"}));
   cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all)")->check(CLI::Range(1, 100000));
   cmd->callback([config, o, &run] {
     run = [config, o]() -> int {
@@ -107,6 +120,10 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         nlohmann::json j = result.to_json();
         j["global_batch"] = o->global_batch;
         j["budget_bytes"] = r.budget;
+        if (!o->emit.empty() && !result.plans.empty()) {
+          j["emit"] = {{"format", o->emit}, {"code", emitted(cfg, *o, result.plans.front())}};
+          if (o->emit == "hf") j["emit"]["settings"] = training_arguments(result.plans.front());
+        }
         fmt::print("{}\n", dump_json(j));
       }
       if (result.plans.empty()) {
@@ -127,6 +144,11 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
                      precision_name(p.precision), p.checkpointing.name(), attention_path_name(p.attention),
                      optimizer_name(p.optimizer), ranks ? fmt::format("{:<10} ", shard_level_name(p.shard)) : "",
                      format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
+        }
+        if (!o->emit.empty()) {
+          fmt::print("\nThe fastest plan, {}:\n\n{}",
+                     o->emit == "hf" ? "for transformers' Trainer" : "in a plain PyTorch loop",
+                     emitted(cfg, *o, result.plans.front()));
         }
       }
       return 0;

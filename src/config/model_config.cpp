@@ -99,24 +99,40 @@ Activation parse_activation(const std::string& name, const std::string& origin) 
   fail("{}: activation '{}' is not supported; accepted: gelu, gelu_new, gelu_pytorch_tanh, silu, relu", origin, name);
 }
 
+// transformers 5 writes the rotary settings as one object, rope_parameters ({rope_type, rope_theta,
+// factor, ..., partial_rotary_factor}); earlier versions wrote rope_theta (gpt_neox: rotary_emb_base,
+// rotary_pct) and rope_scaling. Either is read; the older fields win where both are present.
+const char* rope_object_key(FieldReader& r) { return r.has("rope_parameters") ? "rope_parameters" : "rope_scaling"; }
+
+double rope_number(const json& s, const char* object, const char* key, double fallback, const std::string& origin) {
+  if (!s.contains(key) || s.at(key).is_null()) return fallback;
+  if (!s.at(key).is_number()) fail("{}: {}.{} must be a number, got {}", origin, object, key, dump_json(s.at(key)));
+  return s.at(key).get<double>();
+}
+
+// A rotary setting from rope_parameters (transformers 5), else `fallback`.
+double rope_parameter(FieldReader& r, const char* key, double fallback, const std::string& origin) {
+  if (!r.has("rope_parameters")) return fallback;
+  const json& s = r.raw("rope_parameters");
+  if (!s.is_object()) fail("{}: field 'rope_parameters' must be an object or null", origin);
+  return rope_number(s, "rope_parameters", key, fallback, origin);
+}
+
 void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin) {
-  if (!r.has("rope_scaling")) return;
-  const json& s = r.raw("rope_scaling");
-  if (!s.is_object()) fail("{}: field 'rope_scaling' must be an object or null", origin);
-  auto number = [&](const char* key, double fallback) {
-    if (!s.contains(key) || s.at(key).is_null()) return fallback;
-    if (!s.at(key).is_number()) fail("{}: rope_scaling.{} must be a number, got {}", origin, key, dump_json(s.at(key)));
-    return s.at(key).get<double>();
-  };
+  const char* object = rope_object_key(r);
+  if (!r.has(object)) return;
+  const json& s = r.raw(object);
+  if (!s.is_object()) fail("{}: field '{}' must be an object or null", origin, object);
+  auto number = [&](const char* key, double fallback) { return rope_number(s, object, key, fallback, origin); };
   const char* type_key = s.contains("rope_type") ? "rope_type" : "type";
   std::string type = "default";
   if (s.contains(type_key)) {
-    if (!s.at(type_key).is_string()) fail("{}: rope_scaling.{} must be a string", origin, type_key);
+    if (!s.at(type_key).is_string()) fail("{}: {}.{} must be a string", origin, object, type_key);
     type = s.at(type_key).get<std::string>();
   }
   if (type == "default") return;
   if (type != "llama3" && type != "linear") {
-    fail("{}: rope_scaling type '{}' is not supported; accepted: default, linear, llama3", origin, type);
+    fail("{}: {} type '{}' is not supported; accepted: default, linear, llama3", origin, object, type);
   }
   RopeScaling rs;
   rs.type = type;
@@ -124,12 +140,12 @@ void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin
   rs.low_freq_factor = number("low_freq_factor", 1.0);
   rs.high_freq_factor = number("high_freq_factor", 4.0);
   const double original = number("original_max_position_embeddings", 8192);
-  if (rs.factor <= 0) fail("{}: rope_scaling.factor must be positive, got {}", origin, rs.factor);
+  if (rs.factor <= 0) fail("{}: {}.factor must be positive, got {}", origin, object, rs.factor);
   if (type == "llama3" && (rs.low_freq_factor <= 0 || rs.high_freq_factor <= rs.low_freq_factor || original < 1)) {
     fail(
-        "{}: rope_scaling (llama3) needs 0 < low_freq_factor < high_freq_factor and "
+        "{}: {} (llama3) needs 0 < low_freq_factor < high_freq_factor and "
         "original_max_position_embeddings >= 1",
-        origin);
+        origin, object);
   }
   rs.original_max_positions = static_cast<int64_t>(std::min(original, 1e9));
   c.rope_scaling = rs;
@@ -150,7 +166,7 @@ void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) 
   c.activation = parse_activation(r.string_or("hidden_act", "silu"), origin);
   c.gated_mlp = true;
   c.rotary_dim = c.head_dim;
-  c.rope_theta = r.number_or("rope_theta", 10000.0);
+  c.rope_theta = r.number_or("rope_theta", rope_parameter(r, "rope_theta", 10000.0, origin));
   read_rope_scaling(r, c, origin);
   c.attn_dropout = r.number_or("attention_dropout", 0.0);
   c.initializer_range = r.number_or("initializer_range", 0.02);
@@ -224,10 +240,10 @@ void read_gpt_neox(FieldReader& r, ModelConfig& c, const std::string& origin) {
   c.norm_eps = r.number_or("layer_norm_eps", 1e-5);
   c.activation = parse_activation(r.string_or("hidden_act", "gelu"), origin);
   c.gated_mlp = false;
-  const double pct = r.number_or("rotary_pct", 0.25);
+  const double pct = r.number_or("rotary_pct", rope_parameter(r, "partial_rotary_factor", 0.25, origin));
   if (pct <= 0 || pct > 1) fail("{}: field 'rotary_pct' must be in (0, 1], got {}", origin, pct);
   c.rotary_dim = static_cast<int64_t>(c.head_dim * pct);  // HF: int(head_size * rotary_pct)
-  c.rope_theta = r.number_or("rotary_emb_base", 10000.0);
+  c.rope_theta = r.number_or("rotary_emb_base", rope_parameter(r, "rope_theta", 10000.0, origin));
   read_rope_scaling(r, c, origin);
   c.qkv_bias = c.out_bias = r.boolean_or("attention_bias", true);
   c.mlp_bias = true;

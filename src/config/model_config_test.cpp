@@ -72,6 +72,34 @@ TEST(ModelConfig, FamiliesReadTheirOwnFields) {
   EXPECT_EQ(windowed.window_from_layer, 21);
 }
 
+// transformers 5 saves the rotary settings as rope_parameters; the same model reads the same.
+TEST(ModelConfig, ReadsTransformers5RopeParameters) {
+  nlohmann::json llama = load_model_config("llama-3.2-1b").source;
+  llama.erase("rope_theta");
+  llama.erase("rope_scaling");
+  llama["rope_parameters"] = nlohmann::json::parse(R"({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})");
+  const ModelConfig v5 = model_config_from_json(llama, "v5");
+  EXPECT_EQ(v5.rope_theta, 500000.0);
+  ASSERT_TRUE(v5.rope_scaling.has_value());
+  EXPECT_EQ(v5.rope_scaling->type, "llama3");
+  EXPECT_EQ(v5.rope_scaling->factor, 32.0);
+  EXPECT_EQ(v5.rope_scaling->original_max_positions, 8192);
+
+  nlohmann::json neox = load_model_config("pythia-160m").source;
+  neox.erase("rotary_pct");
+  neox.erase("rotary_emb_base");
+  neox["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 20000.0}, {"partial_rotary_factor", 0.5}};
+  const ModelConfig n5 = model_config_from_json(neox, "v5");
+  EXPECT_EQ(n5.rotary_dim, 32);  // 64 * 0.5
+  EXPECT_EQ(n5.rope_theta, 20000.0);
+  EXPECT_FALSE(n5.rope_scaling.has_value());
+
+  llama["rope_parameters"]["rope_type"] = "yarn";
+  EXPECT_THAT([&] { model_config_from_json(llama, "v5"); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("rope_parameters type 'yarn' is not supported")));
+}
+
 TEST(ModelConfig, OverridesApplyAndTyposAreRefused) {
   const auto c = load_model_config("gpt2", {"n_layer=2", "n_embd=64", "n_head=4"});
   EXPECT_EQ(c.num_layers, 2);

@@ -23,4 +23,12 @@ OptimizerKind parse_optimizer(const std::string& text) {
   fail("--optimizer '{}': accepted: sgd, momentum, adam, adamw, adagrad, adafactor", text);
 }
 
+const char* optimizer_impl_name(OptimizerImpl impl) { return impl == OptimizerImpl::torch ? "torch" : "headroom"; }
+
+OptimizerImpl parse_optimizer_impl(const std::string& text) {
+  if (text == "headroom") return OptimizerImpl::headroom;
+  if (text == "torch") return OptimizerImpl::torch;
+  fail("--optimizer-impl '{}': accepted: headroom, torch", text);
+}
+
 }  // namespace headroom

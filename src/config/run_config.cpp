@@ -99,6 +99,11 @@ const std::vector<RunField>& run_fields() {
       number("min-lr-ratio", "cosine schedule ends at lr * this", &RunConfig::min_lr_ratio),
       integer("warmup", "linear warm-up steps (default: 5% of --steps)", &RunConfig::warmup),
       choice("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer, &parse_optimizer),
+      choice("optimizer-impl",
+             "estimate, plan: whose optimizer update to predict: headroom (its trainer's, in place) or torch "
+             "(torch.optim's default, as a Python script runs it: a new tensor for the denominator of each "
+             "parameter on cpu, of all parameters at once on cuda)",
+             &RunConfig::optimizer_impl, &parse_optimizer_impl),
       number("weight-decay",
              "weight decay on matrices, as PyTorch's optimizer of that name applies it (default: 0.1 for "
              "adamw, 0 for the others)",

@@ -59,6 +59,7 @@ struct RunConfig {
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   int64_t warmup = -1;        // steps; -1: 5% of --steps (at least 1)
   OptimizerKind optimizer = OptimizerKind::adamw;
+  OptimizerImpl optimizer_impl = OptimizerImpl::headroom;  // estimate, plan: whose update to predict
   double weight_decay = -1;  // -1: 0.1 for adamw, 0 for the others
   double grad_clip = 1.0;    // max global grad norm; 0 turns clipping off
   uint64_t seed = 1234;

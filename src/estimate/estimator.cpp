@@ -60,6 +60,7 @@ class StepSim : sim::Ops {
   void micro_batch(int64_t rows);
   void setup();
   void optimizer_phase();
+  void torch_update_temporaries();
 
   // Data parallel (dist/data_parallel.cpp, step for step).
   bool sharded() const { return s_.world > 1 && s_.shard != ShardLevel::none; }
@@ -487,6 +488,42 @@ void StepSim::setup() {
   }
 }
 
+// torch.optim's update where it allocates and headroom's does not (the rest is in place in both):
+// Adam and AdamW compute the denominator as exp_avg_sq.sqrt() / bias_correction, Adagrad as
+// state_sum.sqrt(), each a new tensor. Single-tensor (torch's default on cpu): parameter by
+// parameter, the square root and the quotient exist together, while the previous parameter's
+// denominator is still bound to its Python name; foreach (the default on cuda): the square roots of
+// every parameter's state at once.
+void StepSim::torch_update_temporaries() {
+  const bool adam = is_adam_family(s_.optimizer);
+  if (!adam && s_.optimizer != OptimizerKind::adagrad) return;  // sgd, momentum: in place; adafactor: headroom's
+  const int lbl = mem_.label(
+      "torch.optim denominators", Category::temporaries,
+      s_.cuda ? "foreach: sqrt of every parameter's state at once, parameters × " + std::to_string(ew_) + " B"
+              : "single-tensor: sqrt(state) and its quotient for one parameter, and the "
+                "previous parameter's denominator");
+  auto bytes = [&](const std::string& name) {
+    const int64_t n = params_.at(name).t.numel;
+    return (sharded() ? std::min(chunk(n), n) : n) * ew_;
+  };
+  if (s_.cuda) {
+    std::vector<Ref> roots;
+    for (const auto& name : order_) roots.push_back(mem_.allocate(bytes(name), lbl));
+    return;
+  }
+  Ref denominator;
+  for (const auto& name : order_) {
+    Ref root = mem_.allocate(bytes(name), lbl);
+    if (adam) {
+      Ref quotient = mem_.allocate(bytes(name), lbl);
+      root.reset();
+      denominator = std::move(quotient);  // the previous one goes as the name is rebound
+    } else {
+      denominator = std::move(root);
+    }
+  }
+}
+
 Estimate StepSim::run() {
   setup();
   // Optimizer state, made when the optimizer is constructed (before the first step).
@@ -572,6 +609,7 @@ Estimate StepSim::run() {
     Ref total = mem_.allocate(4, lbl);
     if (s_.precision == Precision::fp16_mixed) Ref found_inf = mem_.allocate(4, lbl);
   }
+  if (s_.optimizer_impl == OptimizerImpl::torch) torch_update_temporaries();
   if (s_.optimizer == OptimizerKind::adafactor && ew_ != 4 && !s_.cuda) {
     // Adafactor works in its scratch and statistics buffers (working memory). 2-byte parameters on
     // the CPU: the update's in-place ops mix the float32 scratch with the bf16 gradient and parameter,
@@ -713,6 +751,7 @@ TrainSpec train_spec(const RunConfig& cfg) {
   s.seq = cfg.seq;
   s.precision = cfg.precision;
   s.optimizer = cfg.optimizer;
+  s.optimizer_impl = cfg.optimizer_impl;
   s.checkpointing = cfg.checkpointing;
   s.attention = cfg.attention;
   s.world = world_size_of(cfg);

@@ -40,6 +40,7 @@ struct TrainSpec {
   int64_t seq = 128;
   Precision precision = Precision::fp32;
   OptimizerKind optimizer = OptimizerKind::adamw;
+  OptimizerImpl optimizer_impl = OptimizerImpl::headroom;  // whose update: headroom's or torch.optim's
   CheckpointPolicy checkpointing;
   AttentionPath attention = AttentionPath::flash;
   bool cuda = false;

@@ -143,6 +143,17 @@ void BudgetAllocator::refuse(int64_t bytes, int64_t live, int64_t cap, bool inje
                               format_bytes(std::max<int64_t>(0, cap - live))));
 }
 
+AllocationRecord BudgetAllocator::new_record(int64_t bytes) const {
+  AllocationRecord rec;
+  rec.bytes = bytes;
+  rec.step = step_.load(std::memory_order_relaxed);
+  rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
+  rec.tag = tag();
+  if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
+  if (const OriginSource source = origin_source_.load(std::memory_order_relaxed)) rec.origin = source();
+  return rec;
+}
+
 void BudgetAllocator::record(void* ptr, AllocationRecord rec) {
   rec.sequence = count_.load(std::memory_order_relaxed) + 1;
   records_.emplace(ptr, rec);
@@ -198,12 +209,7 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
     live_.fetch_sub(n, std::memory_order_relaxed);
     return inner;
   }
-  AllocationRecord rec;
-  rec.bytes = n;
-  rec.step = step_.load(std::memory_order_relaxed);
-  rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
-  rec.tag = tag();
-  if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
+  AllocationRecord rec = new_record(n);
   try {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(inner.get_context() == ptr, "BudgetAllocator: the wrapped CPU allocator uses contexts");
@@ -219,12 +225,7 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
 }
 
 std::optional<c10::DataPtr> BudgetAllocator::allocate_cached(int64_t n) {
-  AllocationRecord rec;
-  rec.bytes = n;
-  rec.step = step_.load(std::memory_order_relaxed);
-  rec.phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
-  rec.tag = tag();
-  if (backtraces_.load(std::memory_order_relaxed)) rec.frames = ::backtrace(rec.stack.data(), kMaxFrames);
+  AllocationRecord rec = new_record(n);
   std::optional<CachingOom> refused;
   void* ptr = nullptr;
   {

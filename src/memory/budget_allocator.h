@@ -55,6 +55,7 @@ struct AllocationRecord {
   std::array<void*, kMaxFrames> stack{};
   CachingHeap* heap = nullptr;  // the heap that served it (caching), else null
   AllocationTag tag = AllocationTag::none;  // set_tag() when it was made
+  uint32_t origin = 0;                      // the origin source's id of where it was made (0: none; set_origin_source)
 };
 
 struct LiveAllocation {
@@ -132,6 +133,11 @@ class BudgetAllocator final : public c10::Allocator {
   void set_accounting(bool on) { accounting_.store(on); }
   // Record a native backtrace with each allocation (costs a few microseconds each).
   void set_backtraces(bool on) { backtraces_.store(on); }
+  // Where each allocation was made, in the caller's terms: `source` (null: off) runs on the
+  // allocating thread, outside the allocator's lock, and returns an id its owner can name (the
+  // Python module: the user's file and line), kept in the allocation's record.
+  using OriginSource = uint32_t (*)();
+  void set_origin_source(OriginSource source) { origin_source_.store(source); }
 
   // Caching: later allocations come from a new CachingHeap with these settings (the cached memory
   // of the previous one is returned); nullopt: back to counting.
@@ -161,6 +167,7 @@ class BudgetAllocator final : public c10::Allocator {
   explicit BudgetAllocator(c10::Allocator* inner) : inner_(inner) {}
   static void release(void* ptr);
   void on_free(void* ptr);
+  AllocationRecord new_record(int64_t bytes) const;  // size, context, tag, backtrace, origin
   [[noreturn]] void refuse(int64_t bytes, int64_t live, int64_t cap, bool injected,
                            std::optional<CachingOom> caching = std::nullopt);
   std::optional<c10::DataPtr> allocate_cached(int64_t bytes);  // nullopt: no heap (caching just switched off)
@@ -186,6 +193,7 @@ class BudgetAllocator final : public c10::Allocator {
   std::atomic<int64_t> fail_above_{-1};     // >= 0: armed
   std::atomic<bool> accounting_{true};
   std::atomic<bool> backtraces_{false};
+  std::atomic<OriginSource> origin_source_{nullptr};
   std::atomic<bool> caching_{false};
   std::unique_ptr<CachingHeap> heap_;                  // caching: the current heap
   std::vector<std::unique_ptr<CachingHeap>> retired_;  // earlier heaps with live blocks

@@ -20,6 +20,7 @@ nlohmann::json LeakVerdict::to_json() const {
                  {"count", x.count},
                  {"steps", x.steps},
                  {"description", x.description}});
+    if (!x.origin.empty()) s.back()["origin"] = x.origin;
   }
   return {{"detected", detected},   {"bytes_per_step", bytes_per_step},
           {"monotonic", monotonic}, {"steps_used", steps_used},
@@ -60,16 +61,17 @@ LeakVerdict judge_growth(const std::vector<StepLive>& all, const LeakOptions& o)
   return v;
 }
 
-std::vector<LeakSite> leak_sites(const std::vector<LiveAllocation>& live, int64_t warmup_steps, int64_t last_step) {
+std::vector<LeakSite> leak_sites(const std::vector<LiveAllocation>& live, int64_t warmup_steps, int64_t last_step,
+                                 const OriginName& origin_name) {
   struct Group {
     int64_t count = 0;
     std::set<int64_t> steps;
   };
-  std::map<std::pair<Phase, int64_t>, Group> groups;
+  std::map<std::tuple<Phase, int64_t, uint32_t>, Group> groups;
   for (const LiveAllocation& a : live) {
     const AllocationRecord& r = a.record;
     if (r.step < warmup_steps || r.step >= last_step) continue;
-    Group& g = groups[{r.phase, r.bytes}];
+    Group& g = groups[{r.phase, r.bytes, origin_name ? r.origin : 0}];
     ++g.count;
     g.steps.insert(r.step);
   }
@@ -77,13 +79,15 @@ std::vector<LeakSite> leak_sites(const std::vector<LiveAllocation>& live, int64_
   std::vector<LeakSite> out;
   for (const auto& [key, g] : groups) {
     LeakSite s;
-    s.phase = std::string(phase_name(key.first));
-    s.bytes = key.second;
+    s.phase = std::string(phase_name(std::get<0>(key)));
+    s.bytes = std::get<1>(key);
+    if (std::get<2>(key) != 0) s.origin = origin_name(std::get<2>(key));
     s.count = g.count;
     s.steps = static_cast<int64_t>(g.steps.size());
     const std::string when = s.steps >= span ? "every step" : fmt::format("{} of {} steps", s.steps, span);
-    s.description = fmt::format("{} allocation{} of {} created during {} of {} and never freed", s.count,
-                                s.count == 1 ? "" : "s", format_bytes(s.bytes), s.phase, when);
+    s.description =
+        fmt::format("{} allocation{} of {} created during {} of {}{} and never freed", s.count, s.count == 1 ? "" : "s",
+                    format_bytes(s.bytes), s.phase, when, s.origin.empty() ? "" : " at " + s.origin);
     out.push_back(s);
   }
   std::sort(out.begin(), out.end(),

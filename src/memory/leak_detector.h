@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -33,6 +34,7 @@ struct LeakSite {
   int64_t bytes = 0;        // of each allocation
   int64_t count = 0;        // alive now
   int64_t steps = 0;        // distinct steps that made them
+  std::string origin;       // where they were made, when the allocator was told (a Python file:line)
   std::string description;  // "8 allocations of 256 KiB created during forward of every step and never freed"
 };
 
@@ -56,9 +58,14 @@ struct LeakOptions {
 // The verdict on the live-bytes series alone.
 LeakVerdict judge_growth(const std::vector<StepLive>& steps, const LeakOptions& options = {});
 
-// Groups the `live` allocations made in 0-based steps [warmup_steps, last_step) into sites: after a
-// run, last_step is the number of steps run (every step has released what it should); while a step
-// runs, its index, so that its work in progress is not counted.
-std::vector<LeakSite> leak_sites(const std::vector<LiveAllocation>& live, int64_t warmup_steps, int64_t last_step);
+// Names an allocation record's origin id (BudgetAllocator::set_origin_source); "" for none.
+using OriginName = std::function<std::string(uint32_t origin)>;
+
+// Groups the `live` allocations made in 0-based steps [warmup_steps, last_step) into sites, by
+// phase, size and (with `origin_name`) where they were made: after a run, last_step is the number
+// of steps run (every step has released what it should); while a step runs, its index, so that its
+// work in progress is not counted.
+std::vector<LeakSite> leak_sites(const std::vector<LiveAllocation>& live, int64_t warmup_steps, int64_t last_step,
+                                 const OriginName& origin_name = nullptr);
 
 }  // namespace headroom

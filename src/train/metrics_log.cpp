@@ -36,27 +36,7 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> keep_thro
 
 void MetricsLog::write(const StepRecord& r) {
   if (!out_.is_open()) return;
-  nlohmann::json j = {{"step", r.step},
-                      {"loss", r.loss},
-                      {"tokens", r.tokens},
-                      {"seconds", r.seconds},
-                      {"peak_bytes", r.peak_bytes},
-                      {"live_bytes", r.live_bytes},
-                      {"lr", r.lr},
-                      {"grad_norm", r.grad_norm},
-                      {"batch", r.batch},
-                      {"accum", r.accum},
-                      {"oom_recoveries", r.oom_recoveries}};
-  if (r.rank) j["rank"] = *r.rank;
-  if (r.reserved_bytes) j["reserved_bytes"] = *r.reserved_bytes;
-  if (r.peak_reserved_bytes) j["peak_reserved_bytes"] = *r.peak_reserved_bytes;
-  if (r.peak_inactive_split_bytes) j["peak_inactive_split_bytes"] = *r.peak_inactive_split_bytes;
-  j["peak_phase"] = std::string(phase_name(r.memory.peak_phase));
-  j["phases"] = r.memory.to_json();
-  if (r.skipped) j["skipped"] = true;
-  if (r.loss_scale) j["loss_scale"] = *r.loss_scale;
-  if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
-  out_ << dump_json(j) << '\n';
+  out_ << dump_json(r.to_json()) << '\n';
   out_.flush();
   if (!out_) fail("--metrics: writing '{}' failed (disk full?)", path_);
 }

@@ -7,6 +7,7 @@
 
 #include "memory/budget_allocator.h"
 #include "memory/cache_policy.h"
+#include "train/guard_policy.h"
 #include "train/step.h"
 #include "util/error.h"
 #include "util/files.h"
@@ -76,7 +77,7 @@ OomReport OomGuard::diagnose(const c10::OutOfMemoryError& e, const StepShape& sh
 namespace {
 // What every rank does after a failed attempt; data-parallel ranks agree on the largest, which
 // carries the failed rank in its low bits (codes compare by action first).
-enum class Action { again = 1, halve = 2, give_up = 3 };
+using Action = GuardAction;
 int encode(Action a, int rank) { return (static_cast<int>(a) << 16) | (rank + 1); }
 Action action_of(int code) { return static_cast<Action>(code >> 16); }
 int rank_of(int code) { return (code & 0xffff) - 1; }
@@ -126,18 +127,9 @@ GuardedStep OomGuard::run(int64_t step) {
       const bool updating = g.outcome.update_started || g.outcome.agreed;
       report = diagnose(e, shape, updating);
       if (replicas) report.rank = run_.rank();
-      Action action = Action::halve;
-      if (run_.config.no_guard || updating || (micro_ == 1 && !cache)) action = Action::give_up;
-      if (action == Action::halve && cache) {
-        const CacheDecision d = after_oom(*cache);
-        if (d.action == CacheAction::expandable_segments) {
-          action = Action::again;
-          why = d.reason;
-        } else if (micro_ == 1) {
-          action = Action::give_up;
-        }
-      }
-      code = encode(action, run_.rank());
+      const GuardDecision decision = after_step_oom(micro_, updating, !run_.config.no_guard, cache);
+      why = decision.reason;
+      code = encode(decision.action, run_.rank());
       if (replicas && !updating) {
         replicas->abandon_backward();  // the collectives the others' micro-batch still expects
         code = replicas->agree(code);
@@ -172,13 +164,13 @@ GuardedStep OomGuard::run(int64_t step) {
       }
       continue;
     }
-    const int64_t smaller = (micro_ + 1) / 2;
+    const int64_t smaller = halved_micro(micro_);
     if (!quiet) {
       const std::string where = replicas ? fmt::format("on rank {}", rank_of(code))
                                          : fmt::format("in {}", phase_name(report.phase));
       fmt::print(stderr, "step {}: out of memory {} with micro-batch {}{}; {} the step again as {} x {}\n", step + 1,
                  where, micro_, report.elsewhere ? "" : fmt::format(" ({} in use)", format_bytes(report.in_use)),
-                 replicas ? "every rank runs" : "running", smaller, (rows_ + smaller - 1) / smaller);
+                 replicas ? "every rank runs" : "running", smaller, accumulation_for(rows_, smaller));
     }
     micro_ = smaller;
     // Segments cut for the old shapes: returned once if enough of the reservation is idle.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -31,6 +32,9 @@ struct StepRecord {
   bool skipped = false;
   std::optional<double> loss_scale;
   std::optional<double> eval_loss;
+
+  // One line of the --metrics file (train/metrics_log.h documents the fields).
+  nlohmann::json to_json() const;
 
   // The step's peak above what was live when it began (what the leak detector calls transient).
   int64_t transient_bytes() const { return peak_bytes - memory.phases[0].live_in; }

@@ -1,0 +1,14 @@
+// The Python module's parts, each binding one area of headroom_core (module.cpp assembles them).
+// Results cross as JSON text, parsed on the Python side, so that Python sees the same objects as
+// the CLI's --json output.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace headroom::python {
+
+void bind_memory(pybind11::module_& m);    // the cpu allocator, budget, Monitor, leak verdict
+void bind_estimate(pybind11::module_& m);  // estimate, plan, the plan as settings
+void bind_guard(pybind11::module_& m);     // the guard's rules, the batch-size search
+
+}  // namespace headroom::python

@@ -1,0 +1,100 @@
+// estimate and plan for any model config, and the plan as settings (plan/plan_settings.h), for
+// python/headroom/predict.py. Settings arrive as the CLI's flags ({"precision": "bf16-mixed"}), so
+// they are parsed, checked and named in errors exactly as `headroom estimate` and `plan` do.
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <map>
+
+#include "bindings.h"
+#include "config/model_config.h"
+#include "config/run_config.h"
+#include "estimate/estimator.h"
+#include "plan/plan_settings.h"
+#include "plan/planner.h"
+#include "util/error.h"
+#include "util/json.h"
+
+namespace py = pybind11;
+
+namespace headroom::python {
+namespace {
+
+// A RunConfig from flag names and their text, through the CLI's own field table.
+RunConfig run_config(const std::map<std::string, std::string>& flags) {
+  RunConfig c;
+  for (const auto& [name, value] : flags) {
+    const auto& fields = run_fields();
+    const auto it = std::find_if(fields.begin(), fields.end(), [&](const RunField& f) { return f.key == name; });
+    if (it == fields.end()) fail("unknown setting '{}'", name);
+    it->set(c, value);
+  }
+  validate(c);
+  return c;
+}
+
+Plan plan_from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  Plan p;
+  p.batch = j.at("batch").get<int64_t>();
+  p.accum = j.at("accum").get<int64_t>();
+  p.precision = parse_precision(j.at("precision").get<std::string>());
+  p.checkpointing = parse_checkpoint_policy(j.at("checkpointing").get<std::string>());
+  p.optimizer = parse_optimizer(j.at("optimizer").get<std::string>());
+  p.attention = parse_attention_path(j.at("attention").get<std::string>());
+  p.shard = parse_shard_level(j.value("shard", std::string("none")));
+  p.world = j.value("world_size", int64_t{1});
+  return p;
+}
+
+}  // namespace
+
+void bind_estimate(py::module_& m) {
+  m.def(
+      "estimate",
+      [](const std::string& config_json, const std::string& origin, const std::map<std::string, std::string>& flags) {
+        const auto json = nlohmann::json::parse(config_json, nullptr, false);
+        if (json.is_discarded() || !json.is_object()) fail("{}: not a JSON object", origin);
+        const ModelConfig model = model_config_from_json(json, origin);
+        TrainSpec spec = train_spec(run_config(flags));
+        spec.dataset_bytes = 0;  // the user's data is not in headroom's memory
+        return dump_json(estimate(model, spec).to_json());
+      },
+      py::arg("config_json"), py::arg("origin"), py::arg("flags"),
+      "The estimate's JSON (as `headroom estimate --json`) for a config.json's text and CLI flags.");
+  m.def(
+      "plan",
+      [](const std::map<std::string, std::string>& flags, int64_t global_batch, int64_t budget, double margin,
+         bool allow_optimizer_change) {
+        PlanRequest r;
+        r.base = run_config(flags);
+        r.global_batch = global_batch;
+        r.budget = budget;
+        r.margin = margin;
+        r.allow_optimizer_change = allow_optimizer_change;
+        if (global_batch < 1) fail("global_batch {}: accepted: a positive number of sequences", global_batch);
+        if (budget < 1) fail("budget {}: accepted: a positive size", budget);
+        PlanResult result = plan_with_calibration(r, nullptr);
+        nlohmann::json j = result.to_json();
+        j["global_batch"] = global_batch;
+        j["budget_bytes"] = budget;
+        if (result.plans.empty())
+          j["smallest_peak"] = {{"bytes", result.smallest_peak}, {"plan", result.smallest_peak_plan}};
+        return dump_json(j);
+      },
+      py::arg("flags"), py::arg("global_batch"), py::arg("budget"), py::arg("margin"),
+      py::arg("allow_optimizer_change"),
+      "The plan's JSON (as `headroom plan --json --no-calibrate`: ranked by FLOPs).");
+  m.def(
+      "training_arguments", [](const std::string& plan) { return dump_json(training_arguments(plan_from_json(plan))); },
+      py::arg("plan_json"));
+  m.def(
+      "training_arguments_code", [](const std::string& plan) { return training_arguments_code(plan_from_json(plan)); },
+      py::arg("plan_json"));
+  m.def(
+      "torch_loop_code",
+      [](const std::string& plan, const std::string& device) { return torch_loop_code(plan_from_json(plan), device); },
+      py::arg("plan_json"), py::arg("device"));
+}
+
+}  // namespace headroom::python

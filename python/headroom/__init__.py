@@ -1,0 +1,73 @@
+"""headroom inside your own PyTorch training script.
+
+The same C++ core as the ``headroom`` command line, for a loop you wrote yourself::
+
+    import headroom                      # before building the model: cpu tensors are counted from here on
+    mon = headroom.Monitor("cpu", model=model, optimizer=opt)
+    with mon.phase("forward"):
+        loss = model(**batch).loss
+    with mon.phase("backward"):
+        loss.backward()
+    ...
+    mon.end_step(loss=loss)
+    print(mon.summary()); print(mon.leak())
+
+* :class:`Monitor` — live and peak bytes per step and phase, by category (weights, gradients,
+  optimizer state, activations, other); metrics as JSON lines; the leak verdict, with where in your
+  Python code the surviving allocations were made (cpu).
+* :func:`cpu_budget` — make the cpu behave like a card of a given size: an unchanged script raises
+  ``torch.OutOfMemoryError`` where that card would.
+* :class:`Guard` / :func:`guard` — keep a run alive: on out-of-memory, the same global batch again
+  in half-size micro-batches, accumulated. :func:`find_max_batch` — the largest batch that fits.
+* :func:`estimate`, :func:`plan` — predict a configuration's peak, and the fastest one that fits,
+  for a transformers config; :meth:`Plan.training_arguments` and :meth:`Plan.torch_loop` turn a plan
+  into settings.
+
+Importing headroom installs its counting allocator as the cpu allocator of this process: cpu
+tensors made before the import are not counted (their bytes are missing from live and peak).
+"""
+import os as _os
+
+import torch as _torch  # loads libtorch before the extension that links it
+
+from . import _core
+
+_core.install_cpu_allocator()
+# Where an allocation was made: the innermost frame outside torch's package and this one.
+_core.set_skipped_prefixes([_os.path.dirname(_torch.__file__) + _os.sep, _os.path.dirname(__file__) + _os.sep])
+
+from .budget import cpu_budget, inject_cpu_oom  # noqa: E402
+from .guard import Guard, find_max_batch, guard  # noqa: E402
+from .monitor import Monitor  # noqa: E402
+from .predict import Plan, PlanResult, estimate, plan  # noqa: E402
+
+__all__ = [
+    "Monitor",
+    "cpu_budget",
+    "inject_cpu_oom",
+    "Guard",
+    "guard",
+    "find_max_batch",
+    "estimate",
+    "plan",
+    "Plan",
+    "PlanResult",
+    "parse_size",
+    "format_bytes",
+]
+
+
+def parse_size(size) -> int:
+    """Bytes in ``size``: an int, or text such as ``"8GiB"``, ``"512MB"``, ``"1.5G"``."""
+    if isinstance(size, bool):
+        raise TypeError("size: accepted: bytes as an int, or text such as '8GiB'")
+    if isinstance(size, int):
+        return size
+    if isinstance(size, str):
+        return _core.parse_size(size)
+    raise TypeError(f"size {size!r}: accepted: bytes as an int, or text such as '8GiB'")
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a person: ``"1.50 GiB"``."""
+    return _core.format_bytes(int(n))

@@ -1,0 +1,164 @@
+"""Predict a configuration's peak memory, and plan the fastest one that fits, for a transformers
+config (the families gpt2, llama, mistral, qwen2, gpt_neox).
+
+The prediction is headroom's estimator: it replays a training step of headroom's own
+implementation of the family (its attention path, its float32 loss, its checkpointing), operator by
+operator, with torch.optim's update (``optimizer_impl="torch"``, the default here). The README's
+table gives the measured difference from transformers' own models, per family.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from . import _core
+
+ConfigLike = Union[Mapping[str, Any], str, "os.PathLike[str]", Any]
+
+
+def _config_json(config: ConfigLike) -> tuple[str, str]:
+    """(config.json text, what to call it in errors) for a PretrainedConfig, a path or a dict."""
+    if hasattr(config, "to_dict") and hasattr(config, "model_type"):
+        d = config.to_dict()
+        d.setdefault("model_type", config.model_type)
+        return json.dumps(d, default=str), f"{type(config).__name__}"
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read(), path
+        except OSError as e:
+            raise ValueError(f"config '{path}': cannot read it ({e.strerror}); accepted: a config.json path, a "
+                             "directory holding one, a dict or a transformers PretrainedConfig") from None
+    if isinstance(config, Mapping):
+        return json.dumps(dict(config), default=str), "config dict"
+    raise TypeError(f"config of type {type(config).__name__}: accepted: a transformers PretrainedConfig, a "
+                    "config.json path or a dict")
+
+
+def _flags(**settings: Any) -> Dict[str, str]:
+    out = {}
+    for name, value in settings.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        out[name.replace("_", "-")] = str(value)
+    return out
+
+
+def estimate(
+    config: ConfigLike,
+    *,
+    batch: int = 8,
+    seq: int = 128,
+    accum: int = 1,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    optimizer_impl: str = "torch",
+    checkpointing: str = "none",
+    attention: str = "flash",
+    device: str = "cpu",
+    world_size: int = 1,
+    shard: str = "none",
+) -> Dict[str, Any]:
+    """A training step's predicted peak memory per rank, without running it.
+
+    Returns ``headroom estimate --json``'s object: ``{"model": {"name", "params"}, "peak_bytes",
+    "peak_phase", "breakdown": {category: bytes}, "items": [...], "phases": {...}}`` (and, for
+    ``device="cuda"``, the caching allocator's predicted reserved bytes). Settings are named and
+    checked as the CLI's flags: precision fp32, bf16-mixed, fp16-mixed, bf16; optimizer adamw, adam,
+    sgd, momentum, adagrad, adafactor; checkpointing none, selective, every:K, full; attention flash,
+    math; shard none, optimizer, gradients, full. ``optimizer_impl``: ``"torch"`` predicts the update
+    of ``torch.optim``'s class of that name (its default: single-tensor on cpu, foreach on cuda), as
+    your script runs it; ``"headroom"`` that of headroom's own trainer (in place).
+    """
+    text, origin = _config_json(config)
+    flags = _flags(batch=batch, seq=seq, accum=accum, precision=precision, optimizer=optimizer,
+                   optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention, device=device, world_size=world_size,
+                   shard=shard)
+    return json.loads(_core.estimate(text, origin, flags))
+
+
+class Plan(dict):
+    """One way to train: ``batch`` (micro-batch), ``accum``, ``precision``, ``checkpointing``,
+    ``optimizer``, ``attention``, ``shard``, ``world_size``, ``predicted_peak_bytes`` and
+    ``predicted_step_time_ratio`` (to the best plan's), as ``headroom plan --json`` lists them."""
+
+    def training_arguments(self) -> Dict[str, Any]:
+        """The transformers settings: ``{"training_arguments": {...}, "model_kwargs": {...}, "notes": [...]}``.
+
+        ``TrainingArguments(output_dir=..., **p.training_arguments()["training_arguments"])``;
+        ``model_kwargs`` go to ``from_pretrained`` (``attn_implementation``, and ``dtype`` for pure bf16);
+        ``notes`` say where transformers cannot do exactly what was planned.
+        """
+        return json.loads(_core.training_arguments(json.dumps(self)))
+
+    def training_arguments_code(self) -> str:
+        """The same as Python source to paste (``headroom plan --emit hf``)."""
+        return _core.training_arguments_code(json.dumps(self))
+
+    def torch_loop(self, device: str = "cuda") -> str:
+        """A plain PyTorch loop with the plan's accumulation, autocast and checkpointing, as Python
+        source (``headroom plan --emit torch``)."""
+        return _core.torch_loop_code(json.dumps(self), device)
+
+
+class PlanResult(dict):
+    """``headroom plan --json``'s object: ``plans`` (fastest first), ``considered``, ``global_batch``,
+    ``budget_bytes``; when nothing fits, ``smallest_peak`` says what came closest."""
+
+    @property
+    def plans(self) -> List[Plan]:
+        return self["plans"]
+
+    @property
+    def best(self) -> Optional[Plan]:
+        """The fastest plan that fits, or None."""
+        return self["plans"][0] if self["plans"] else None
+
+
+def plan(
+    config: ConfigLike,
+    *,
+    global_batch: int,
+    budget: Union[int, str],
+    seq: int = 128,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    optimizer_impl: str = "torch",
+    device: str = "cpu",
+    world_size: int = 1,
+    margin: float = 0.05,
+    allow_optimizer_change: bool = False,
+) -> PlanResult:
+    """The ways to train ``global_batch`` sequences per optimizer step within ``budget`` bytes per
+    rank (less ``margin``), fastest first: micro-batch x accumulation, precision, checkpointing and
+    attention (the optimizer only with ``allow_optimizer_change``; with ``world_size`` > 1 the shard
+    level too). Peaks come from :func:`estimate` (``optimizer_impl`` as there); step times from a
+    FLOPs cost model (the CLI's ``headroom plan`` can also calibrate it by timing its own steps).
+    """
+    from . import parse_size
+
+    text, origin = _config_json(config)
+    with tempfile.TemporaryDirectory(prefix="headroom-plan-") as tmp:
+        # The planner reads a config file as the CLI does; the user's data is not in headroom's
+        # memory, so the corpus it is told of is empty.
+        model_path = os.path.join(tmp, "config.json")
+        data_path = os.path.join(tmp, "empty.txt")
+        with open(model_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        open(data_path, "w").close()
+        flags = _flags(model=model_path, data=data_path, seq=seq, precision=precision, optimizer=optimizer,
+                       optimizer_impl=optimizer_impl, device=device, world_size=world_size)
+        try:
+            result = json.loads(_core.plan(flags, int(global_batch), parse_size(budget), float(margin),
+                                           bool(allow_optimizer_change)))
+        except ValueError as e:
+            raise ValueError(str(e).replace(model_path, origin)) from None
+    result["plans"] = [Plan(p) for p in result["plans"]]
+    return PlanResult(result)

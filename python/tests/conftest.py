@@ -1,0 +1,27 @@
+"""Shared by the Python module's tests: headroom is imported before any tensor is made, so that
+the counting allocator sees every one."""
+import os
+import subprocess
+
+import headroom  # noqa: F401  (first: counts what the tests allocate)
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    yield
+    headroom.cpu_budget(None)
+    headroom.inject_cpu_oom(0)
+
+
+def headroom_cli(*args: str) -> str:
+    """Runs the built `headroom` binary (CTest says where: HEADROOM_BINARY) and returns its stdout."""
+    binary = os.environ.get("HEADROOM_BINARY", os.path.join(ROOT, "build", "headroom"))
+    done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    return done.stdout

@@ -1,0 +1,84 @@
+"""The estimate against what transformers' own models use: each family's real widths and
+vocabulary (depth shrunk), trained a few steps with a plain loop, peak measured by headroom's
+counting allocator (not by the estimator).
+
+The estimator models headroom's own implementation of each family; the error printed here is how far
+that is from transformers' implementation of the same config (fp32, torch.optim.AdamW, sdpa
+attention; batch 1 x seq 64, and batch 2 x seq 256 with transformers' gradient checkpointing). The README's table is this test's output.
+"""
+import gc
+import json
+import os
+
+import headroom
+import pytest
+import torch
+import transformers
+from conftest import ROOT
+
+STEPS = 2  # the second step has the optimizer's state from the start, as every later one
+# (batch, seq, checkpointing): a short step, and a longer one with transformers' gradient checkpointing
+SETTINGS = [(1, 64, "none"), (2, 256, "full")]
+PHASES = ("forward", "backward", "optimizer")
+# The bound the README states: each phase's peak within 1% of what transformers' model measures.
+BOUND = 0.01
+
+FAMILIES = [
+    # preset, config class, model class, depth (the widths and vocabulary stay the published ones)
+    ("gpt2", transformers.GPT2Config, transformers.GPT2LMHeadModel, {"n_layer": 2}),
+    ("llama-3.2-1b", transformers.LlamaConfig, transformers.LlamaForCausalLM, {"num_hidden_layers": 2}),
+    ("mistral-7b", transformers.MistralConfig, transformers.MistralForCausalLM, {"num_hidden_layers": 1}),
+    ("qwen2.5-0.5b", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"num_hidden_layers": 2}),
+    ("pythia-160m", transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, {"num_hidden_layers": 2}),
+]
+
+
+def measured_phases(model_class, config, batch, seq, checkpointing):
+    """Each phase's peak bytes above what was live before the model existed, in the last of STEPS
+    plain training steps, from a Monitor (the counting allocator)."""
+    gc.collect()
+    start = headroom._core.cpu_live_bytes()
+    torch.manual_seed(0)
+    model = model_class(config)
+    model.train()
+    if checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    mon = headroom.Monitor("cpu", model=model, optimizer=opt, python_frames=False)
+    for _ in range(STEPS):
+        with mon.phase("forward"):
+            loss = model(input_ids=ids, labels=ids).loss
+        with mon.phase("backward"):
+            loss.backward()
+        with mon.phase("optimizer"):
+            opt.step()
+        with mon.phase("zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        loss = None
+        record = mon.end_step()
+    params = sum(p.numel() for p in model.parameters())
+    del model, opt, ids, mon
+    gc.collect()
+    return {p: record["phases"][p]["peak"] - start for p in PHASES}, params
+
+
+@pytest.mark.parametrize("preset,config_class,model_class,depth", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_estimate_against_transformers(preset, config_class, model_class, depth):
+    with open(os.path.join(ROOT, "configs", "models", preset + ".json")) as f:
+        fields = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    fields.update(depth)
+    config = config_class(**fields)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False  # a training loop: no key-value cache
+    for batch, seq, checkpointing in SETTINGS:
+        est = headroom.estimate(config, batch=batch, seq=seq, checkpointing=checkpointing, precision="fp32",
+                                optimizer="adamw", attention="flash")
+        measured, params = measured_phases(model_class, config, batch, seq, checkpointing)
+        assert est["model"]["params"] == params  # the same model, counted apart
+        for phase in PHASES:
+            error = (est["phases"][phase] - measured[phase]) / measured[phase]
+            print(f"\n{preset:>13} b{batch} s{seq:<3} ckpt {checkpointing:<4} {phase:>9}: estimate "
+                  f"{est['phases'][phase]:>14,}  transformers {measured[phase]:>14,}  error {100 * error:+.3f}%",
+                  end="")
+            assert abs(error) <= BOUND, (phase, est["phases"][phase], measured[phase])

@@ -1,0 +1,119 @@
+#include "plan/plan_settings.h"
+
+#include <fmt/format.h>
+
+namespace headroom {
+namespace {
+
+std::string python_value(const nlohmann::json& v) {
+  if (v.is_boolean()) return v.get<bool>() ? "True" : "False";
+  return v.dump();
+}
+
+const char* hf_optim(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::sgd:
+    case OptimizerKind::momentum: return "sgd";
+    case OptimizerKind::adam:
+    case OptimizerKind::adamw: return "adamw_torch";
+    case OptimizerKind::adagrad: return "adagrad";
+    case OptimizerKind::adafactor: return "adafactor";
+  }
+  return "adamw_torch";
+}
+
+const char* torch_optimizer(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::sgd: return "torch.optim.SGD(model.parameters(), lr=lr)";
+    case OptimizerKind::momentum: return "torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)";
+    case OptimizerKind::adam: return "torch.optim.Adam(model.parameters(), lr=lr)";
+    case OptimizerKind::adamw: return "torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)";
+    case OptimizerKind::adagrad: return "torch.optim.Adagrad(model.parameters(), lr=lr)";
+    case OptimizerKind::adafactor: return "torch.optim.Adafactor(model.parameters(), lr=lr)";
+  }
+  return "";
+}
+
+}  // namespace
+
+nlohmann::json training_arguments(const Plan& p) {
+  nlohmann::json args = {{"per_device_train_batch_size", p.batch},
+                         {"gradient_accumulation_steps", p.accum},
+                         {"bf16", p.precision == Precision::bf16_mixed},
+                         {"fp16", p.precision == Precision::fp16_mixed},
+                         {"gradient_checkpointing", p.checkpointing.kind != CheckpointPolicy::Kind::none},
+                         {"optim", hf_optim(p.optimizer)}};
+  nlohmann::json model = {{"attn_implementation", p.attention == AttentionPath::flash ? "sdpa" : "eager"}};
+  nlohmann::json notes = nlohmann::json::array();
+  if (p.precision == Precision::bf16) {
+    model["dtype"] = "bfloat16";
+    notes.push_back("bf16: the weights themselves are bfloat16 (from_pretrained(dtype=torch.bfloat16)), no autocast");
+  }
+  if (p.optimizer == OptimizerKind::adam) args["weight_decay"] = 0.0;
+  if (p.optimizer == OptimizerKind::adamw) args["weight_decay"] = 0.1;
+  if (p.optimizer == OptimizerKind::momentum) args["optim_args"] = "momentum=0.9";
+  if (p.checkpointing.kind == CheckpointPolicy::Kind::selective ||
+      p.checkpointing.kind == CheckpointPolicy::Kind::every) {
+    notes.push_back(fmt::format(
+        "checkpointing {}: transformers checkpoints every layer; its peak is lower and its step slower than planned",
+        p.checkpointing.name()));
+  }
+  if (p.world > 1) {
+    notes.push_back(fmt::format("launch with torchrun --nproc-per-node {}; the batch sizes are per rank", p.world));
+    if (p.shard == ShardLevel::gradients) args["fsdp"] = "shard_grad_op";
+    if (p.shard == ShardLevel::full) args["fsdp"] = "full_shard";
+    if (p.shard == ShardLevel::optimizer) {
+      notes.push_back("shard optimizer (ZeRO-1) has no FSDP setting: use DeepSpeed with zero_optimization.stage 1");
+    }
+  }
+  return {{"training_arguments", args}, {"model_kwargs", model}, {"notes", notes}};
+}
+
+std::string training_arguments_code(const Plan& p) {
+  const nlohmann::json s = training_arguments(p);
+  std::string out = fmt::format("# {}\n", p.describe());
+  for (const auto& note : s.at("notes")) out += "# " + note.get<std::string>() + "\n";
+  out += "model = AutoModelForCausalLM.from_pretrained(name";
+  for (const auto& [k, v] : s.at("model_kwargs").items()) {
+    out += fmt::format(", {}={}", k, k == "dtype" ? "torch." + v.get<std::string>() : python_value(v));
+  }
+  out += ")\nargs = TrainingArguments(\n    output_dir=\"out\",\n";
+  for (const auto& [k, v] : s.at("training_arguments").items()) out += fmt::format("    {}={},\n", k, python_value(v));
+  out += ")\n";
+  return out;
+}
+
+std::string torch_loop_code(const Plan& p, const std::string& device) {
+  std::string out = fmt::format("# {}\n", p.describe());
+  if (p.precision == Precision::bf16) out += "model = model.to(torch.bfloat16)  # bf16: the weights themselves\n";
+  if (p.checkpointing.kind != CheckpointPolicy::Kind::none) {
+    out += fmt::format(
+        "# checkpointing {}: wrap {} in torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)\n"
+        "# (a transformers model: model.gradient_checkpointing_enable(), which checkpoints every layer)\n",
+        p.checkpointing.name(),
+        p.checkpointing.kind == CheckpointPolicy::Kind::full ? "every layer's forward"
+        : p.checkpointing.kind == CheckpointPolicy::Kind::selective
+            ? "every layer's attention block"
+            : fmt::format("layers 0, {0}, 2*{0}, ...", p.checkpointing.every));
+  }
+  out += fmt::format("optimizer = {}\n", torch_optimizer(p.optimizer));
+  const bool mixed = p.precision == Precision::bf16_mixed || p.precision == Precision::fp16_mixed;
+  const char* dtype = p.precision == Precision::fp16_mixed ? "torch.float16" : "torch.bfloat16";
+  if (p.precision == Precision::fp16_mixed) out += fmt::format("scaler = torch.amp.GradScaler(\"{}\")\n", device);
+  out += fmt::format("accum = {}  # micro-batches of {} sequences per optimizer step\n", p.accum, p.batch);
+  out += "for i, batch in enumerate(loader):  # each batch: one micro-batch\n";
+  std::string indent = "    ";
+  if (mixed) {
+    out += fmt::format("    with torch.autocast(device_type=\"{}\", dtype={}):\n", device, dtype);
+    indent = "        ";
+  }
+  out += indent + "loss = model(**batch).loss / accum\n";
+  out += p.precision == Precision::fp16_mixed ? "    scaler.scale(loss).backward()\n" : "    loss.backward()\n";
+  out += "    if (i + 1) % accum == 0:\n";
+  out += p.precision == Precision::fp16_mixed ? "        scaler.step(optimizer)\n        scaler.update()\n"
+                                              : "        optimizer.step()\n";
+  out += "        optimizer.zero_grad(set_to_none=True)\n";
+  return out;
+}
+
+}  // namespace headroom

@@ -1,0 +1,26 @@
+// Plan settings — a plan (plan/planner.h) as the settings a user types into their own training
+// code: Hugging Face TrainingArguments fields, or the torch.autocast / checkpointing / accumulation
+// of a plain PyTorch loop. Where headroom's lever has no exact counterpart there (checkpointing
+// every K-th layer, ZeRO-1), the nearest one is given and a note says what differs.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "plan/planner.h"
+
+namespace headroom {
+
+// {"training_arguments": {per_device_train_batch_size, gradient_accumulation_steps, bf16, fp16,
+//  gradient_checkpointing, optim, [weight_decay, optim_args, fsdp]}, "model_kwargs": {attn_implementation,
+//  [dtype]}, "notes": [...]}
+nlohmann::json training_arguments(const Plan& plan);
+
+// Python source: TrainingArguments(...) with the model's from_pretrained keyword arguments.
+std::string training_arguments_code(const Plan& plan);
+
+// Python source: a plain loop with the plan's micro-batch, accumulation, autocast and
+// checkpointing, for `device` ("cuda" or "cpu").
+std::string torch_loop_code(const Plan& plan, const std::string& device);
+
+}  // namespace headroom
