@@ -170,15 +170,17 @@ def find_max_batch(
     optimizer: Optional[torch.optim.Optimizer] = None,
     limit: int = 4096,
     predict: Optional[Callable[[int], int]] = None,
+    config: Any = None,
     device: str = "cpu",
+    **estimate_settings: Any,
 ) -> Dict[str, Any]:
     """The largest batch whose training step fits, found with few real trial steps.
 
     ``make_batch(n)`` returns a batch of ``n`` rows; each trial runs ``step_fn`` on it and backward
     (and ``optimizer.step()`` when given: the trials then train the model, as real steps do) under
     ``budget`` (cpu: the cpu budget, by default the current one; cuda: the card's free memory).
-    ``predict(n)`` -> predicted peak bytes seeds the search (for a transformers config:
-    ``lambda n: headroom.estimate(config, batch=n, seq=...)["peak_bytes"]``); without it the search
+    ``predict(n)`` -> predicted peak bytes seeds the search; with a transformers ``config`` (and
+    :func:`estimate`'s settings, such as ``seq=``) the estimate does; without either, the search
     measures the line through two batches. Returns ``{"max_batch", "trials", "log": [...]}``.
     """
     from . import parse_size
@@ -189,6 +191,11 @@ def find_max_batch(
         if budget is None:
             raise ValueError("find_max_batch on cpu needs budget= (or a headroom.cpu_budget in force)")
     budget = parse_size(budget)
+    if predict is None and config is not None:
+        from .predict import estimate
+
+        def predict(n: int) -> int:
+            return estimate(config, batch=n, device=device, **estimate_settings)["peak_bytes"]
 
     def trial(n: int):
         ok = True

@@ -58,9 +58,15 @@ class Monitor:
         if optimizer is not None and model is None:
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.device = str(device)
-        self._core = _core.Monitor(self.device, parameters, _optimizer_tensors(optimizer), python_frames)
+        self._live = _core.Monitor(self.device, parameters, _optimizer_tensors(optimizer), python_frames)
         self.steps: List[Dict[str, Any]] = []
         self._metrics = open(metrics, "w") if metrics is not None else None
+
+    @property
+    def _core(self):
+        if self._live is None:
+            raise ValueError("this Monitor is closed")
+        return self._live
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -131,7 +137,7 @@ class Monitor:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        self._core = None
+        self._live = None
 
     def __enter__(self) -> "Monitor":
         return self

@@ -102,3 +102,9 @@ def test_find_max_batch_finds_the_edge():
     assert n > 1
     assert fits(n, budget) and not fits(n + 1, budget)  # checked apart from the search
     assert len(result["log"]) <= 16  # trials; bisection alone over 4096 would take 12 after a failure
+    # Seeded by a prediction (here: the line through two fitting trials of the search above), the
+    # search needs only a few trials.
+    (b1, p1), (b2, p2) = sorted((t["batch"], t["peak_bytes"]) for t in result["log"] if t["fits"])[-2:]
+    seeded = headroom.find_max_batch(loss, make, budget=budget, optimizer=opt,
+                                     predict=lambda b: int(p1 + (p2 - p1) * (b - b1) / (b2 - b1)))
+    assert seeded["max_batch"] == n and len(seeded["log"]) <= 4, seeded["log"]

@@ -80,3 +80,6 @@ def test_bad_input_is_named():
                 pass
     with pytest.raises(ValueError, match="device"):
         headroom.Monitor("tpu")
+    mon.close()
+    with pytest.raises(ValueError, match="closed"):
+        mon.end_step()
