@@ -42,8 +42,6 @@ class Monitor {
         parameters_(std::move(parameters)),
         optimizer_state_(std::move(optimizer_state)),
         origins_(python_frames && device_.is_cpu()) {
-    if (device_.is_cuda()) probe_->record_origins(true);
-    if (origins_) enable_origins(true);
     monitor_ = std::make_unique<MemoryMonitor>(
         *probe_, TrackedTensors{[this] { return parameters_; },
                                 [this] {
@@ -57,7 +55,9 @@ class Monitor {
                                   if (optimizer_state_.is_none()) return std::vector<at::Tensor>{};
                                   return optimizer_state_().cast<std::vector<at::Tensor>>();
                                 }});
-    begin(0);
+    begin(0);  // may throw (the optimizer's state callback): nothing is switched on before it
+    if (device_.is_cuda()) probe_->record_origins(true);
+    if (origins_) enable_origins(true);
   }
   ~Monitor() {
     scope_.reset();

@@ -52,13 +52,19 @@ std::string user_frame(const std::vector<std::string>& prefixes) {
     Py_DECREF(frame);
     frame = back;
   }
-  if (PyErr_Occurred()) PyErr_Clear();  // a file name that would not encode: no origin
+  if (PyErr_Occurred())
+    PyErr_Clear();  // a file name that would not encode: no origin (the caller's error is kept apart)
   return out;
 }
 
 uint32_t current_origin() {
   // Only threads that have run Python: a native worker must not wait for the GIL its caller holds.
-  if (PyGILState_GetThisThreadState() == nullptr || !Py_IsInitialized() || _Py_IsFinalizing()) return 0;
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  if (PyGILState_GetThisThreadState() == nullptr || !Py_IsInitialized() || finalizing) return 0;
   Origins& o = origins();
   std::shared_ptr<const std::vector<std::string>> prefixes;
   {
@@ -68,7 +74,14 @@ uint32_t current_origin() {
   std::string where;
   {
     const PyGILState_STATE gil = PyGILState_Ensure();
+    // The allocation may come from code with a Python error pending, and the walk may make frame
+    // objects: keep that error, and keep the collector (and finalizers) out of the allocation.
+    PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+    PyErr_Fetch(&type, &value, &traceback);
+    const int collecting = PyGC_Disable();
     where = user_frame(*prefixes);
+    if (collecting) PyGC_Enable();
+    PyErr_Restore(type, value, traceback);
     PyGILState_Release(gil);
   }
   if (where.empty()) return 0;

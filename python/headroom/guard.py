@@ -7,6 +7,7 @@ gives up (re-raising the error) when micro-batch 1 does not fit or the failure c
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import json
 import sys
@@ -21,28 +22,35 @@ from .monitor import Monitor
 def _rows(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
-    if isinstance(batch, dict):
-        for value in batch.values():
-            if isinstance(value, torch.Tensor):
-                return value.shape[0]
-    if isinstance(batch, (list, tuple)):
-        for value in batch:
+    values = batch.values() if isinstance(batch, collections.abc.Mapping) else batch
+    if isinstance(batch, (collections.abc.Mapping, list, tuple)):
+        for value in values:
             if isinstance(value, torch.Tensor):
                 return value.shape[0]
     raise TypeError(
-        f"batch of type {type(batch).__name__}: accepted: a tensor, or a dict, list or tuple holding tensors "
-        "whose first dimension is the batch"
+        f"batch of type {type(batch).__name__}: accepted: a tensor, or a mapping (dict, BatchEncoding), list or "
+        "tuple holding tensors whose first dimension is the batch"
     )
 
 
 def _rows_of(batch: Any, start: int, end: int) -> Any:
     """Rows [start, end) of every tensor in ``batch`` (views, no copy); other values as they are."""
+
+    def cut(v: Any) -> Any:
+        return v[start:end] if isinstance(v, torch.Tensor) else v
+
     if isinstance(batch, torch.Tensor):
-        return batch[start:end]
-    if isinstance(batch, dict):
-        return type(batch)({k: _rows_of(v, start, end) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        return cut(batch)
+    if isinstance(batch, collections.abc.Mapping):
+        items = {k: cut(v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # a mapping type that is not built from a dict
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(cut(v) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_rows_of(v, start, end) if isinstance(v, torch.Tensor) else v for v in batch)
+        return type(batch)(cut(v) for v in batch)
     return batch
 
 
@@ -159,6 +167,11 @@ def guard(step_fn: Callable[[Any], torch.Tensor], batch: Any, optimizer: torch.o
     if g is None:
         g = Guard(optimizer, **options)
         optimizer._headroom_guard = g
+    else:
+        for name, value in options.items():  # later calls' options apply too, but the lowered micro-batch stays
+            if name != "micro_batch":
+                getattr(g, name)  # an unknown option is an AttributeError, as Guard's TypeError would be
+                setattr(g, name, value)
     return g(step_fn, batch)
 
 
@@ -168,6 +181,7 @@ def find_max_batch(
     *,
     budget: Any = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
+    model: Optional[torch.nn.Module] = None,
     limit: int = 4096,
     predict: Optional[Callable[[int], int]] = None,
     config: Any = None,
@@ -178,7 +192,9 @@ def find_max_batch(
 
     ``make_batch(n)`` returns a batch of ``n`` rows; each trial runs ``step_fn`` on it and backward
     (and ``optimizer.step()`` when given: the trials then train the model, as real steps do) under
-    ``budget`` (cpu: the cpu budget, by default the current one; cuda: the card's free memory).
+    ``budget`` (cpu: the cpu budget, by default the current one; cuda: by default what this process
+    holds and the card's free memory). The gradients a trial leaves are dropped: ``optimizer``'s, or
+    ``model``'s parameters'.
     ``predict(n)`` -> predicted peak bytes seeds the search; with a transformers ``config`` (and
     :func:`estimate`'s settings, such as ``seq=``) the estimate does; without either, the search
     measures the line through two batches. Returns ``{"max_batch", "trials", "log": [...]}``.
@@ -187,7 +203,10 @@ def find_max_batch(
 
     cuda = str(device).startswith("cuda")
     if budget is None:
-        budget = _core.cpu_budget() if not cuda else torch.cuda.mem_get_info()[0]
+        if cuda:
+            budget = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+        else:
+            budget = _core.cpu_budget()
         if budget is None:
             raise ValueError("find_max_batch on cpu needs budget= (or a headroom.cpu_budget in force)")
     budget = parse_size(budget)
@@ -217,8 +236,11 @@ def find_max_batch(
             if not cuda:
                 _core.set_cpu_budget(previous)
         peak = torch.cuda.max_memory_allocated(device) if cuda else _core.cpu_peak_bytes()
+        ok = ok and peak <= budget  # cuda: the card itself may hold more than the budget
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
+        if model is not None:
+            model.zero_grad(set_to_none=True)
         # A failed trial: at least the budget (what it needed is not known past the refusal).
         return (ok, int(peak) if ok else int(budget) + 1)
 

@@ -74,8 +74,9 @@ def estimate(
     checked as the CLI's flags: precision fp32, bf16-mixed, fp16-mixed, bf16; optimizer adamw, adam,
     sgd, momentum, adagrad, adafactor; checkpointing none, selective, every:K, full; attention flash,
     math; shard none, optimizer, gradients, full. ``optimizer_impl``: ``"torch"`` predicts the update
-    of ``torch.optim``'s class of that name (its default: single-tensor on cpu, foreach on cuda), as
-    your script runs it; ``"headroom"`` that of headroom's own trainer (in place).
+    of ``torch.optim``'s class of that name (its default: single-tensor on cpu, foreach on cuda;
+    without weight decay for Adam and Adagrad; adafactor is predicted as headroom's own), as your
+    script runs it; ``"headroom"`` that of headroom's own trainer (in place).
     """
     text, origin = _config_json(config)
     flags = _flags(batch=batch, seq=seq, accum=accum, precision=precision, optimizer=optimizer,

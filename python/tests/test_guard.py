@@ -108,3 +108,21 @@ def test_find_max_batch_finds_the_edge():
     seeded = headroom.find_max_batch(loss, make, budget=budget, optimizer=opt,
                                      predict=lambda b: int(p1 + (p2 - p1) * (b - b1) / (b2 - b1)))
     assert seeded["max_batch"] == n and len(seeded["log"]) <= 4, seeded["log"]
+
+
+def test_batches_of_the_usual_kinds_split_by_rows():
+    from collections import namedtuple
+
+    from headroom.guard import _rows, _rows_of
+    from transformers import BatchEncoding
+
+    ids = torch.arange(12).reshape(6, 2)
+    enc = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones(6, 2)})
+    part = _rows_of(enc, 2, 4)
+    assert _rows(enc) == 6 and isinstance(part, BatchEncoding)
+    assert torch.equal(part["input_ids"], ids[2:4])
+    Pair = namedtuple("Pair", "x y")
+    pair = _rows_of(Pair(ids, ids + 1), 4, 6)
+    assert isinstance(pair, Pair) and torch.equal(pair.y, ids[4:6] + 1)
+    with pytest.raises(TypeError, match="accepted"):
+        _rows(42)

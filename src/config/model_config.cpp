@@ -101,7 +101,8 @@ Activation parse_activation(const std::string& name, const std::string& origin) 
 
 // transformers 5 writes the rotary settings as one object, rope_parameters ({rope_type, rope_theta,
 // factor, ..., partial_rotary_factor}); earlier versions wrote rope_theta (gpt_neox: rotary_emb_base,
-// rotary_pct) and rope_scaling. Either is read; the older fields win where both are present.
+// rotary_pct) and rope_scaling. Either is read: the older scalar fields over rope_parameters' values
+// where both are present, and rope_parameters over rope_scaling for the scaling.
 const char* rope_object_key(FieldReader& r) { return r.has("rope_parameters") ? "rope_parameters" : "rope_scaling"; }
 
 double rope_number(const json& s, const char* object, const char* key, double fallback, const std::string& origin) {
@@ -241,7 +242,9 @@ void read_gpt_neox(FieldReader& r, ModelConfig& c, const std::string& origin) {
   c.activation = parse_activation(r.string_or("hidden_act", "gelu"), origin);
   c.gated_mlp = false;
   const double pct = r.number_or("rotary_pct", rope_parameter(r, "partial_rotary_factor", 0.25, origin));
-  if (pct <= 0 || pct > 1) fail("{}: field 'rotary_pct' must be in (0, 1], got {}", origin, pct);
+  if (pct <= 0 || pct > 1)
+    fail("{}: the rotary fraction (rotary_pct or rope_parameters.partial_rotary_factor) must be in (0, 1], got {}",
+         origin, pct);
   c.rotary_dim = static_cast<int64_t>(c.head_dim * pct);  // HF: int(head_size * rotary_pct)
   c.rope_theta = r.number_or("rotary_emb_base", rope_parameter(r, "rope_theta", 10000.0, origin));
   read_rope_scaling(r, c, origin);

@@ -493,7 +493,9 @@ void StepSim::setup() {
 // state_sum.sqrt(), each a new tensor. Single-tensor (torch's default on cpu): parameter by
 // parameter, the square root and the quotient exist together, while the previous parameter's
 // denominator is still bound to its Python name; foreach (the default on cuda): the square roots of
-// every parameter's state at once.
+// every parameter's state at once (Adagrad: and the scaled gradients). Not modelled: the gradient
+// copy that non-decoupled weight decay makes (Adam, Adagrad, SGD with weight_decay > 0; off by
+// default), and torch's own Adafactor (headroom's is predicted).
 void StepSim::torch_update_temporaries() {
   const bool adam = is_adam_family(s_.optimizer);
   if (!adam && s_.optimizer != OptimizerKind::adagrad) return;  // sgd, momentum: in place; adafactor: headroom's
@@ -507,8 +509,12 @@ void StepSim::torch_update_temporaries() {
     return (sharded() ? std::min(chunk(n), n) : n) * ew_;
   };
   if (s_.cuda) {
-    std::vector<Ref> roots;
+    std::vector<Ref> roots, numerators;
     for (const auto& name : order_) roots.push_back(mem_.allocate(bytes(name), lbl));
+    // Adagrad's foreach update also scales every gradient into a new tensor while the roots live.
+    if (!adam) {
+      for (const auto& name : order_) numerators.push_back(mem_.allocate(bytes(name), lbl));
+    }
     return;
   }
   Ref denominator;
