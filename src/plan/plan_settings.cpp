@@ -100,7 +100,8 @@ std::string torch_loop_code(const Plan& p, const std::string& device) {
   const bool mixed = p.precision == Precision::bf16_mixed || p.precision == Precision::fp16_mixed;
   const char* dtype = p.precision == Precision::fp16_mixed ? "torch.float16" : "torch.bfloat16";
   if (p.precision == Precision::fp16_mixed) out += fmt::format("scaler = torch.amp.GradScaler(\"{}\")\n", device);
-  out += fmt::format("accum = {}  # micro-batches of {} sequences per optimizer step\n", p.accum, p.batch);
+  out += fmt::format("accum = {}  # micro-batches of {} sequence{} per optimizer step\n", p.accum, p.batch,
+                     p.batch == 1 ? "" : "s");
   out += "for i, batch in enumerate(loader):  # each batch: one micro-batch\n";
   std::string indent = "    ";
   if (mixed) {
