@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "cli/analyze_command.h"
 #include "cli/doctor_command.h"
 #include "cli/estimate_command.h"
 #include "cli/fit_command.h"
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
   add_estimate_command(app, run);
   add_plan_command(app, run);
   add_doctor_command(app, run);
+  add_analyze_command(app, run);
 
   const bool json = wants_json(argc, argv);
   std::vector<std::string> names;

@@ -5,24 +5,13 @@
 #include <algorithm>
 #include <map>
 
+#include "report/html_page.h"
 #include "util/size.h"
 
 namespace headroom {
 namespace {
 
-std::string escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
+std::string escape(const std::string& s) { return html_escape(s); }
 
 const std::map<std::string, std::string>& phase_colours() {
   static const std::map<std::string, std::string> c = {{"data", "#9e9e9e"},
@@ -44,9 +33,7 @@ std::string timeline_svg(const DoctorReport& r) {
   auto y = [&](int64_t b) {
     return top + (h - top - bottom) * (1.0 - static_cast<double>(b) / static_cast<double>(ymax));
   };
-  std::string svg = fmt::format(
-      R"(<svg xmlns="http://www.w3.org/2000/svg" class="chart" id="timeline" width="{}" height="{}" viewBox="0 0 {} {}">)",
-      w, h, w, h);
+  std::string svg = svg_open("timeline", w, h);
   svg +=
       fmt::format(R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#000"/>)", left, h - bottom, w - right, h - bottom);
   svg += fmt::format(
@@ -93,9 +80,7 @@ std::string breakdown_svg(const DoctorReport& r) {
   for (const auto& [n, m, e] : rows) vmax = std::max({vmax, m, e});
   const double w = 900, label = 140, bar_h = 14, gap = 12;
   const double h = static_cast<double>(rows.size()) * (2 * bar_h + gap) + 30;
-  std::string svg = fmt::format(
-      R"(<svg xmlns="http://www.w3.org/2000/svg" class="chart" id="breakdown" width="{}" height="{}" viewBox="0 0 {} {}">)",
-      w, h, w, h);
+  std::string svg = svg_open("breakdown", w, h);
   double yy = 10;
   for (const auto& [name, m, e] : rows) {
     const double wm = (w - label - 120) * static_cast<double>(m) / static_cast<double>(vmax);
@@ -123,9 +108,7 @@ std::string levers_svg(const DoctorReport& r) {
   const double w = 900, label = 250, bar_h = 16, gap = 6;
   const double h = static_cast<double>(tried.size() + 1) * (bar_h + gap) + 30;
   auto scale = [&](int64_t b) { return (w - label - 120) * static_cast<double>(b) / static_cast<double>(vmax); };
-  std::string svg = fmt::format(
-      R"(<svg xmlns="http://www.w3.org/2000/svg" class="chart" id="levers" width="{}" height="{}" viewBox="0 0 {} {}">)",
-      w, h, w, h);
+  std::string svg = svg_open("levers", w, h);
   double yy = 10;
   auto bar = [&](const std::string& name, int64_t peak, bool fits) {
     svg += fmt::format(
@@ -145,16 +128,7 @@ std::string levers_svg(const DoctorReport& r) {
 }  // namespace
 
 std::string report_html(const DoctorReport& r) {
-  std::string html = R"(<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>headroom doctor</title>
-<style>
-body { font-family: sans-serif; margin: 2em; color: #222; max-width: 960px; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.9em; } td, th { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; } .bad { color: #b00; font-weight: bold; } .good { color: #070; }
-pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
-</style></head><body>
-)";
+  std::string html = html_page_head("headroom doctor");
   html += fmt::format("<h1>headroom doctor: {} on {}, budget {}</h1>\n", escape(r.estimate.model), escape(r.device),
                       escape(format_bytes(r.budget)));
   html += fmt::format(

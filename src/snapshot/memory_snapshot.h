@@ -1,0 +1,102 @@
+// MemorySnapshot — the structure torch.cuda.memory._snapshot() documents (torch/cuda/memory.py),
+// read from its pickle (snapshot/pickle_reader.h) into compact typed tables:
+//   "segments": [{"device", "address", "total_size", "stream", "segment_type": "small"|"large",
+//                 "is_expandable", "frames", "blocks": [{"address", "size", "requested_size",
+//                 "state": "active_allocated"|"active_awaiting_free"|"active_pending_free"|"inactive",
+//                 "frames"}]}],
+//   "device_traces": [[{"action": "alloc"|"free_requested"|"free_completed"|"segment_alloc"|
+//                       "segment_free"|"segment_map"|"segment_unmap"|"oom"|"snapshot", "addr",
+//                       "size", "stream", "time_us", "device_free" (oom), "frames"}]],
+//   "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF", "max_split_size", "expandable_segments", ...},
+// each frame {"filename", "line", "name"}. Keys it does not know are ignored; a missing
+// "device_traces" (history was not recorded) leaves the traces empty; a missing required key or a
+// value of the wrong type is an Error naming where ("device_traces[0][17].size: expected an int").
+// Frames and stack traces are interned: events that share a traceback share one stack, whether the
+// pickle shares the list (PyTorch's, through the memo) or repeats it, so memory stays within a small
+// multiple of the file's size however the file is built.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "snapshot/pickle_reader.h"
+
+namespace headroom {
+
+struct SnapshotFrame {
+  std::string filename;
+  int64_t line = 0;
+  std::string name;
+};
+
+using StackId = int32_t;  // index into MemorySnapshot::stacks; kNoStack: none recorded
+inline constexpr StackId kNoStack = -1;
+
+enum class BlockState : uint8_t { active_allocated, active_awaiting_free, inactive };
+
+struct SnapshotBlock {
+  uint64_t address = 0;
+  int64_t size = 0;
+  int64_t requested = 0;
+  BlockState state = BlockState::inactive;
+  StackId stack = kNoStack;
+};
+
+struct SnapshotSegment {
+  int64_t device = 0;
+  uint64_t address = 0;
+  int64_t total_size = 0;
+  int64_t stream = 0;
+  bool small = false;
+  bool expandable = false;
+  std::vector<SnapshotBlock> blocks;
+};
+
+enum class SnapshotAction : uint8_t {
+  alloc,
+  free_requested,
+  free_completed,
+  segment_alloc,
+  segment_free,
+  segment_map,
+  segment_unmap,
+  oom,
+  snapshot,
+  other
+};
+const char* snapshot_action_name(SnapshotAction a);
+
+struct SnapshotEvent {
+  SnapshotAction action = SnapshotAction::other;
+  StackId stack = kNoStack;
+  uint64_t address = 0;  // for oom: none
+  int64_t size = 0;      // for oom: the request
+  int64_t stream = 0;
+  int64_t time_us = 0;
+  int64_t device_free = -1;  // oom only: what the device still had free; -1 unknown
+};
+
+struct AllocatorSettings {
+  bool known = false;  // the snapshot had "allocator_settings"
+  std::string conf;    // PYTORCH_CUDA_ALLOC_CONF as set
+  bool expandable_segments = false;
+  int64_t max_split_size = -1;  // -1: unlimited
+  double garbage_collection_threshold = 0;
+};
+
+struct MemorySnapshot {
+  std::vector<SnapshotSegment> segments;
+  std::vector<std::vector<SnapshotEvent>> traces;  // one per device, in time order
+  std::vector<SnapshotFrame> frames;               // each distinct frame once
+  std::vector<std::vector<int32_t>> stacks;        // frame indices, innermost first, as PyTorch lists them
+  AllocatorSettings settings;
+};
+
+// Reads the snapshot in the pickle at `path`; any problem is an Error (PickleError for the pickle).
+MemorySnapshot read_memory_snapshot(const std::string& path);
+// The snapshot in a document already read; `name` is for messages.
+MemorySnapshot memory_snapshot_from(const PickleDocument& doc, const std::string& name);
+
+}  // namespace headroom

@@ -1,0 +1,122 @@
+// Fuzzing `headroom analyze`'s input path — the pickle reader, the snapshot's schema and the
+// analysis — with rapidcheck over random bytes and mutated snapshots (one Python wrote, one
+// LibTorch's pickler wrote): each input is either analysed or refused with headroom::Error (the
+// one-line message, exit 2), never a crash, another exception, a hang or an unbounded allocation.
+// 1000 cases a property from a fixed seed; RC_PARAMS="max_success=100000" runs more.
+#include <gtest/gtest.h>
+#include <rapidcheck.h>
+#include <rapidcheck/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "device/pickle_adapter.h"
+#include "snapshot/memory_snapshot.h"
+#include "snapshot/pickle_reader.h"
+#include "snapshot/snapshot_analysis.h"
+#include "testing/command.h"
+#include "testing/temp_dir.h"
+
+namespace headroom {
+namespace {
+
+const bool kRapidcheckParams = [] {
+  ::setenv("RC_PARAMS", "max_success=1000 seed=1", /*overwrite=*/0);
+  return true;
+}();
+
+// The small fragmentation snapshot of tools/snapshot_gen.py (Python's pickle, protocol 4), and one
+// that LibTorch's pickler writes (protocol 2, as PyTorch's C++ side does).
+const std::vector<std::string>& seeds() {
+  static const std::vector<std::string> s = [] {
+    testing::TempDir dir;
+    const std::string out = dir.file("frag.pickle");
+    const auto r = testing::run_command(std::string(HEADROOM_PYTHON) + " " + HEADROOM_SOURCE_DIR +
+                                        "/tools/snapshot_gen.py fragmentation " + out + " 2>&1");
+    EXPECT_EQ(r.code, 0) << r.out;
+    std::ifstream f(out, std::ios::binary);
+    std::vector<std::string> v{{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()}};
+    using J = nlohmann::json;
+    const J frames = J::array({J{{"filename", "train.py"}, {"line", 3}, {"name", "step"}}});
+    const J blocks = J::array({J{{"address", 1 << 21},
+                                 {"size", 512},
+                                 {"requested_size", 100},
+                                 {"state", "active_allocated"},
+                                 {"frames", frames}},
+                               J{{"address", (1 << 21) + 512}, {"size", (2 << 20) - 512}, {"state", "inactive"}}});
+    const J segment = {{"device", 0}, {"address", 1 << 21},      {"total_size", 2 << 20},
+                       {"stream", 0}, {"segment_type", "small"}, {"blocks", blocks}};
+    const J trace = J::array(
+        {J{{"action", "segment_alloc"}, {"addr", 1 << 21}, {"size", 2 << 20}, {"stream", 0}, {"time_us", 1}},
+         J{{"action", "alloc"}, {"addr", 1 << 21}, {"size", 100}, {"stream", 0}, {"time_us", 2}, {"frames", frames}},
+         J{{"action", "oom"}, {"size", 1 << 30}, {"device_free", 0}, {"stream", 0}, {"time_us", 3}}});
+    J snapshot = J::object();
+    snapshot["segments"] = J::array({segment});
+    snapshot["device_traces"] = J::array({trace});
+    snapshot["allocator_settings"] = {{"PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"}};
+    v.push_back(pickle_value(snapshot));
+    return v;
+  }();
+  return s;
+}
+
+// Read, then (if it is a snapshot) analyse: only headroom::Error may escape.
+void read_and_analyze(const std::string& bytes) {
+  try {
+    const PickleDocument doc = read_pickle_bytes(bytes);
+    const MemorySnapshot snap = memory_snapshot_from(doc, "fuzz");
+    const SnapshotAnalysis a = analyze_snapshot(snap, "fuzz");
+    RC_ASSERT(!a.to_json().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).empty());
+  } catch (const Error& e) {
+    RC_ASSERT(std::string(e.what()).find('\n') == std::string::npos);
+  }
+}
+
+rc::Gen<std::string> mutated() {
+  return rc::gen::exec([] {
+    std::string s = *rc::gen::elementOf(seeds());
+    const int edits = *rc::gen::inRange(1, 6);
+    for (int e = 0; e < edits && !s.empty(); ++e) {
+      const size_t at = *rc::gen::inRange<size_t>(0, s.size());
+      switch (*rc::gen::inRange(0, 6)) {
+        case 0: s[at] = *rc::gen::arbitrary<char>(); break;
+        case 1:  // an opcode, maybe a hostile one
+          s.insert(at, 1, *rc::gen::elementOf(std::string("c\x93RbioQ\x81(.0122e]}ustqhjr\x94\x95\x8a\x8b\x8d\x8e")));
+          break;
+        case 2: s.erase(at, 1); break;
+        case 3: s.resize(at); break;
+        case 4: s.replace(at, std::min<size_t>(8, s.size() - at), std::string(8, '\xff')); break;  // huge lengths
+        case 5: s.replace(at, std::min<size_t>(4, s.size() - at), std::string("\x7f\xff\xff\x7f", 4)); break;
+      }
+    }
+    return s;
+  });
+}
+
+TEST(SnapshotFuzz, TheSeedsAreSnapshots) {
+  for (const std::string& s : seeds()) {
+    const MemorySnapshot snap = memory_snapshot_from(read_pickle_bytes(s), "seed");
+    EXPECT_FALSE(snap.segments.empty());
+    EXPECT_FALSE(snap.traces.at(0).empty());
+  }
+}
+
+RC_GTEST_PROP(SnapshotFuzz, RandomBytesAreReadOrRefused, ()) {
+  const auto bytes = *rc::gen::container<std::string>(rc::gen::arbitrary<char>());
+  read_and_analyze(bytes);
+}
+
+RC_GTEST_PROP(SnapshotFuzz, MutatedSnapshotsAreAnalysedOrRefused, ()) { read_and_analyze(*mutated()); }
+
+TEST(SnapshotFuzz, EveryTruncationOfASnapshotIsRefused) {
+  for (const std::string& s : seeds()) {
+    for (size_t n = 0; n + 1 < s.size(); ++n) {
+      EXPECT_THROW(memory_snapshot_from(read_pickle_bytes(std::string_view(s).substr(0, n)), "cut"), Error) << n;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace headroom
