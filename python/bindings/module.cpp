@@ -15,4 +15,5 @@ PYBIND11_MODULE(_core, m) {
   headroom::python::bind_memory(m);
   headroom::python::bind_estimate(m);
   headroom::python::bind_guard(m);
+  headroom::python::bind_snapshot(m);
 }

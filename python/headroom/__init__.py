@@ -19,6 +19,9 @@ The same C++ core as the ``headroom`` command line, for a loop you wrote yoursel
   ``torch.OutOfMemoryError`` where that card would.
 * :class:`Guard` / :func:`guard` — keep a run alive: on out-of-memory, the same global batch again
   in half-size micro-batches, accumulated. :func:`find_max_batch` — the largest batch that fits.
+* :func:`analyze_snapshot` — diagnose a PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``)
+  safely, as ``headroom analyze`` does: peaks and what was live, iterations and leaks, fragmentation,
+  OOMs; a dict like the CLI's ``--json``.
 * :func:`estimate`, :func:`plan` — predict a configuration's peak, and the fastest one that fits,
   for a transformers config; :meth:`Plan.training_arguments` and :meth:`Plan.torch_loop` turn a plan
   into settings.
@@ -36,6 +39,7 @@ _core.install_cpu_allocator()
 # Where an allocation was made: the innermost frame outside torch's package and this one.
 _core.set_skipped_prefixes([_os.path.dirname(_torch.__file__) + _os.sep, _os.path.dirname(__file__) + _os.sep])
 
+from .analyze import analyze_snapshot  # noqa: E402
 from .budget import cpu_budget, inject_cpu_oom  # noqa: E402
 from .guard import Guard, find_max_batch, guard  # noqa: E402
 from .monitor import Monitor  # noqa: E402
@@ -43,6 +47,7 @@ from .predict import Plan, PlanResult, estimate, plan  # noqa: E402
 
 __all__ = [
     "Monitor",
+    "analyze_snapshot",
     "cpu_budget",
     "inject_cpu_oom",
     "Guard",

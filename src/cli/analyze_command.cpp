@@ -15,8 +15,11 @@
 namespace headroom {
 
 void add_analyze_command(CLI::App& app, std::function<int()>& run) {
-  CLI::App* cmd = app.add_subcommand(
-      "analyze",
+  configure_analyze(app.add_subcommand("analyze"), run);
+}
+
+void configure_analyze(CLI::App* cmd, std::function<int()>& run) {
+  cmd->description(
       "Diagnose a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, or headroom's --memory-snapshot):\n"
       "peak allocated and reserved and what was live then, by the code that allocated it; the iterations and\n"
       "whether memory leaks across them, and where from; fragmentation, with the trace replayed under other\n"

@@ -5,6 +5,7 @@
 #include <functional>
 #include <limits>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace headroom {
 
@@ -29,17 +30,54 @@ namespace {
 using Ref = PickleDocument::Ref;
 using Kind = PickleDocument::Kind;
 
-// Reads the document by the schema, naming the place of anything wrong.
-class SnapshotReader {
- public:
-  SnapshotReader(const PickleDocument& doc, const std::string& name) : doc_(doc), name_(name) {}
+// Where in the snapshot a value is, spelled out only for an error message.
+struct Place {
+  enum Kind { segment, block, event, trace_event } kind;
+  uint64_t a = 0, b = 0;
+  std::string str() const {
+    switch (kind) {
+      case segment: return fmt::format("segments[{}]", a);
+      case block: return fmt::format("segments[{}].blocks[{}]", a, b);
+      case event: return fmt::format("device_traces[{}][{}]", a, b);
+      case trace_event: return fmt::format("device_traces[…][{}]", b);
+    }
+    return "";
+  }
+};
 
-  MemorySnapshot read() {
-    const Ref root = doc_.root();
-    if (!doc_.is(root, Kind::dict)) {
+// Reads the document by the schema, naming the place of anything wrong. As the document's sink, it
+// takes each device trace's events while the pickle is read, so that the trace never sits in the
+// document as a tree.
+class SnapshotReader : public PickleSink {
+ public:
+  explicit SnapshotReader(const std::string& name) : name_(name) {}
+
+  bool take(const PickleDocument& document, uint64_t list_id, const void* items, size_t n) override {
+    if (n == 0 || declined_.count(list_id)) return false;
+    doc_ = &document;
+    auto it = taken_.find(list_id);
+    if (it == taken_.end()) {
+      // A trace: its first item is an event (a record with an "action").
+      const Ref first = PickleDocument::item(items, 0);
+      if (!doc().is(first, Kind::dict) || doc().size(first) > 256 || !doc().get(first, "action")) {
+        declined_.insert(list_id);
+        return false;
+      }
+      it = taken_.emplace(list_id, std::vector<SnapshotEvent>()).first;
+    }
+    for (size_t k = 0; k < n; ++k) {
+      it->second.push_back(read_event(PickleDocument::item(items, k), Place{Place::trace_event, 0, it->second.size()}));
+    }
+    return true;
+  }
+
+  MemorySnapshot read(const PickleDocument& document) {
+    doc_ = &document;
+    const Ref root = doc().root();
+    if (!doc().is(root, Kind::dict)) {
       bad("the top level", "a dict with \"segments\" and \"device_traces\" (torch.cuda.memory._snapshot())");
     }
-    const auto segments = doc_.get(root, "segments");
+    const auto segments = doc().get(root, "segments");
     if (!segments) {
       fail(
           "{}: no \"segments\" key at the top level; a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot) "
@@ -48,19 +86,19 @@ class SnapshotReader {
     }
     expect(*segments, Kind::list, "segments");
     uint64_t i = 0;
-    doc_.for_each(*segments, [&](Ref s) {
+    doc().for_each(*segments, [&](Ref s) {
       read_segment(s, i++);
       return true;
     });
-    if (const auto traces = doc_.get(root, "device_traces")) {
+    if (const auto traces = doc().get(root, "device_traces")) {
       expect(*traces, Kind::list, "device_traces");
       uint64_t d = 0;
-      doc_.for_each(*traces, [&](Ref t) {
+      doc().for_each(*traces, [&](Ref t) {
         read_trace(t, d++);
         return true;
       });
     }
-    if (const auto settings = doc_.get(root, "allocator_settings"); settings && doc_.is(*settings, Kind::dict)) {
+    if (const auto settings = doc().get(root, "allocator_settings"); settings && doc().is(*settings, Kind::dict)) {
       read_settings(*settings);
     }
     return std::move(out_);
@@ -71,25 +109,25 @@ class SnapshotReader {
     fail("{}: {}: expected {}", name_, where, expected);
   }
   void expect(Ref r, Kind k, const std::string& where) {
-    if (!doc_.is(r, k)) bad(where, k == Kind::list ? "a list" : "a dict");
+    if (!doc().is(r, k)) bad(where, k == Kind::list ? "a list" : "a dict");
   }
   // A dict of at most `limit` keys (events, blocks and frames have a handful: a huge one is hostile,
   // and would make every lookup slow).
-  void expect_record(Ref r, const std::string& where) {
-    if (!doc_.is(r, Kind::dict)) bad(where, "a dict");
-    if (doc_.size(r) > 256) bad(where, fmt::format("a record of a few keys, not {}", doc_.size(r)));
+  void expect_record(Ref r, const Place& where, const char* suffix = "") {
+    if (!doc().is(r, Kind::dict)) bad(where.str() + suffix, "a dict");
+    if (doc().size(r) > 256) bad(where.str() + suffix, fmt::format("a record of a few keys, not {}", doc().size(r)));
   }
-  int64_t integer(Ref v, const char* key, const std::function<std::string()>& where) {
-    const auto i = doc_.integer(v);
-    if (!i) bad(where() + "." + key, "an int");
+  int64_t integer(Ref v, const char* key, const Place& where) {
+    const auto i = doc().integer(v);
+    if (!i) bad(where.str() + "." + key, "an int");
     return *i;
   }
 
-  StackId read_stack(Ref frames, const std::function<std::string()>& where) {
+  StackId read_stack(Ref frames, const Place& where) {
     if (const auto it = stack_by_ref_.find(frames.bits); it != stack_by_ref_.end()) return it->second;
-    if (!doc_.is(frames, Kind::list)) bad(where() + ".frames", "a list of frames");
+    if (!doc().is(frames, Kind::list)) bad(where.str() + ".frames", "a list of frames");
     std::vector<int32_t> ids;
-    doc_.for_each(frames, [&](Ref f) {
+    doc().for_each(frames, [&](Ref f) {
       ids.push_back(read_frame(f, where));
       return true;
     });
@@ -99,19 +137,19 @@ class SnapshotReader {
     stack_by_ref_.emplace(frames.bits, it->second);
     return it->second;
   }
-  int32_t read_frame(Ref f, const std::function<std::string()>& where) {
+  int32_t read_frame(Ref f, const Place& where) {
     if (const auto it = frame_by_ref_.find(f.bits); it != frame_by_ref_.end()) return it->second;
-    expect_record(f, where() + ".frames[]");
+    expect_record(f, where, ".frames[]");
     SnapshotFrame frame;
-    doc_.for_each_item(f, [&](Ref k, Ref v) {
-      const auto key = doc_.text(k);
+    doc().for_each_item(f, [&](Ref k, Ref v) {
+      const auto key = doc().text(k);
       if (!key) return true;
       if (*key == "filename")
-        frame.filename = std::string(doc_.text(v).value_or(""));
+        frame.filename = std::string(doc().text(v).value_or(""));
       else if (*key == "name")
-        frame.name = std::string(doc_.text(v).value_or(""));
+        frame.name = std::string(doc().text(v).value_or(""));
       else if (*key == "line")
-        frame.line = doc_.integer(v).value_or(0);
+        frame.line = doc().integer(v).value_or(0);
       return true;
     });
     std::string key = fmt::format("{}\n{}\n{}", frame.filename, frame.line, frame.name);
@@ -122,13 +160,13 @@ class SnapshotReader {
   }
 
   void read_segment(Ref s, uint64_t i) {
-    const auto where = [&] { return fmt::format("segments[{}]", i); };
-    expect_record(s, where());
+    const Place where{Place::segment, i, 0};
+    expect_record(s, where);
     SnapshotSegment seg;
     bool has_address = false, has_size = false;
     std::optional<Ref> blocks;
-    doc_.for_each_item(s, [&](Ref k, Ref v) {
-      const auto key = doc_.text(k);
+    doc().for_each_item(s, [&](Ref k, Ref v) {
+      const auto key = doc().text(k);
       if (!key) return true;
       if (*key == "address")
         seg.address = static_cast<uint64_t>(integer(v, "address", where)), has_address = true;
@@ -139,28 +177,28 @@ class SnapshotReader {
       else if (*key == "stream")
         seg.stream = integer(v, "stream", where);
       else if (*key == "segment_type")
-        seg.small = doc_.text(v).value_or("") == "small";
+        seg.small = doc().text(v).value_or("") == "small";
       else if (*key == "is_expandable")
-        seg.expandable = doc_.integer(v).value_or(0) != 0;
+        seg.expandable = doc().integer(v).value_or(0) != 0;
       else if (*key == "blocks")
         blocks = v;
       return true;
     });
-    if (!has_address) bad(where() + ".address", "an int (the segment's address)");
-    if (!has_size) bad(where() + ".total_size", "an int (the segment's bytes)");
-    if (seg.total_size < 0) bad(where() + ".total_size", "a size of 0 bytes or more");
+    if (!has_address) bad(where.str() + ".address", "an int (the segment's address)");
+    if (!has_size) bad(where.str() + ".total_size", "an int (the segment's bytes)");
+    if (seg.total_size < 0) bad(where.str() + ".total_size", "a size of 0 bytes or more");
     if (blocks) {
-      expect(*blocks, Kind::list, where() + ".blocks");
+      expect(*blocks, Kind::list, where.str() + ".blocks");
       uint64_t b = 0;
       uint64_t next = seg.address;
-      doc_.for_each(*blocks, [&](Ref r) {
-        const auto bwhere = [&] { return fmt::format("segments[{}].blocks[{}]", i, b); };
-        expect_record(r, bwhere());
+      doc().for_each(*blocks, [&](Ref r) {
+        const Place bwhere{Place::block, i, b};
+        expect_record(r, bwhere);
         SnapshotBlock block;
         block.address = next;
         bool has_state = false, has_requested = false, has_bsize = false;
-        doc_.for_each_item(r, [&](Ref k, Ref v) {
-          const auto key = doc_.text(k);
+        doc().for_each_item(r, [&](Ref k, Ref v) {
+          const auto key = doc().text(k);
           if (!key) return true;
           if (*key == "address")
             block.address = static_cast<uint64_t>(integer(v, "address", bwhere));
@@ -171,7 +209,7 @@ class SnapshotReader {
           else if (*key == "frames")
             block.stack = read_stack(v, bwhere);
           else if (*key == "state") {
-            const auto t = doc_.text(v).value_or("");
+            const auto t = doc().text(v).value_or("");
             has_state = true;
             if (t == "active_allocated")
               block.state = BlockState::active_allocated;
@@ -180,12 +218,12 @@ class SnapshotReader {
             else if (t == "inactive")
               block.state = BlockState::inactive;
             else
-              bad(bwhere() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
+              bad(bwhere.str() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
           }
           return true;
         });
-        if (!has_bsize || block.size < 0) bad(bwhere() + ".size", "an int of 0 or more (the block's bytes)");
-        if (!has_state) bad(bwhere() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
+        if (!has_bsize || block.size < 0) bad(bwhere.str() + ".size", "an int of 0 or more (the block's bytes)");
+        if (!has_state) bad(bwhere.str() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
         if (!has_requested) block.requested = block.state == BlockState::inactive ? 0 : block.size;
         next = block.address + static_cast<uint64_t>(block.size);
         seg.blocks.push_back(block);
@@ -197,50 +235,57 @@ class SnapshotReader {
   }
 
   void read_trace(Ref t, uint64_t d) {
+    if (const auto it = taken_.find(doc().id(t)); it != taken_.end()) {
+      out_.traces.push_back(std::move(it->second));
+      taken_.erase(it);
+      return;
+    }
     expect(t, Kind::list, fmt::format("device_traces[{}]", d));
     std::vector<SnapshotEvent> events;
-    events.reserve(doc_.size(t));
+    events.reserve(doc().size(t));
     uint64_t i = 0;
-    doc_.for_each(t, [&](Ref e) {
-      const auto where = [&] { return fmt::format("device_traces[{}][{}]", d, i); };
-      expect_record(e, where());
-      SnapshotEvent ev;
-      bool has_action = false, has_size = false, has_addr = false;
-      doc_.for_each_item(e, [&](Ref k, Ref v) {
-        const auto key = doc_.text(k);
-        if (!key) return true;
-        if (*key == "action") {
-          const auto a = doc_.text(v);
-          if (!a) bad(where() + ".action", "a str");
-          has_action = true;
-          ev.action = action(*a);
-        } else if (*key == "size") {
-          ev.size = integer(v, "size", where), has_size = true;
-        } else if (*key == "addr") {
-          ev.address = static_cast<uint64_t>(integer(v, "addr", where)), has_addr = true;
-        } else if (*key == "stream") {
-          ev.stream = integer(v, "stream", where);
-        } else if (*key == "time_us") {
-          ev.time_us = doc_.number(v).has_value() ? static_cast<int64_t>(*doc_.number(v)) : 0;
-        } else if (*key == "device_free") {
-          ev.device_free = integer(v, "device_free", where);
-        } else if (*key == "frames") {
-          ev.stack = read_stack(v, where);
-        }
-        return true;
-      });
-      if (!has_action) bad(where() + ".action", "a str (alloc, free_requested, free_completed, segment_alloc, ...)");
-      const bool addressed = ev.action != SnapshotAction::oom && ev.action != SnapshotAction::snapshot &&
-                             ev.action != SnapshotAction::other;
-      if (addressed && !has_addr) bad(where() + ".addr", "an int (the block's or segment's address)");
-      if (ev.action != SnapshotAction::snapshot && ev.action != SnapshotAction::other && (!has_size || ev.size < 0)) {
-        bad(where() + ".size", "an int of 0 or more");
-      }
-      events.push_back(ev);
-      ++i;
+    doc().for_each(t, [&](Ref e) {
+      events.push_back(read_event(e, Place{Place::event, d, i++}));
       return true;
     });
     out_.traces.push_back(std::move(events));
+  }
+
+  SnapshotEvent read_event(Ref e, const Place& where) {
+    expect_record(e, where);
+    SnapshotEvent ev;
+    bool has_action = false, has_size = false, has_addr = false;
+    doc().for_each_item(e, [&](Ref k, Ref v) {
+      const auto key = doc().text(k);
+      if (!key) return true;
+      if (*key == "action") {
+        const auto a = doc().text(v);
+        if (!a) bad(where.str() + ".action", "a str");
+        has_action = true;
+        ev.action = action(*a);
+      } else if (*key == "size") {
+        ev.size = integer(v, "size", where), has_size = true;
+      } else if (*key == "addr") {
+        ev.address = static_cast<uint64_t>(integer(v, "addr", where)), has_addr = true;
+      } else if (*key == "stream") {
+        ev.stream = integer(v, "stream", where);
+      } else if (*key == "time_us") {
+        ev.time_us = doc().number(v).has_value() ? static_cast<int64_t>(*doc().number(v)) : 0;
+      } else if (*key == "device_free") {
+        ev.device_free = integer(v, "device_free", where);
+      } else if (*key == "frames") {
+        ev.stack = read_stack(v, where);
+      }
+      return true;
+    });
+    if (!has_action) bad(where.str() + ".action", "a str (alloc, free_requested, free_completed, segment_alloc, ...)");
+    const bool addressed =
+        ev.action != SnapshotAction::oom && ev.action != SnapshotAction::snapshot && ev.action != SnapshotAction::other;
+    if (addressed && !has_addr) bad(where.str() + ".addr", "an int (the block's or segment's address)");
+    if (ev.action != SnapshotAction::snapshot && ev.action != SnapshotAction::other && (!has_size || ev.size < 0)) {
+      bad(where.str() + ".size", "an int of 0 or more");
+    }
+    return ev;
   }
 
   static SnapshotAction action(std::string_view a) {
@@ -254,25 +299,29 @@ class SnapshotReader {
   void read_settings(Ref s) {
     AllocatorSettings& a = out_.settings;
     a.known = true;
-    doc_.for_each_item(s, [&](Ref k, Ref v) {
-      const auto key = doc_.text(k);
+    doc().for_each_item(s, [&](Ref k, Ref v) {
+      const auto key = doc().text(k);
       if (!key) return true;
       if (*key == "PYTORCH_CUDA_ALLOC_CONF")
-        a.conf = std::string(doc_.text(v).value_or(""));
+        a.conf = std::string(doc().text(v).value_or(""));
       else if (*key == "expandable_segments")
-        a.expandable_segments = doc_.integer(v).value_or(0) != 0;
+        a.expandable_segments = doc().integer(v).value_or(0) != 0;
       else if (*key == "garbage_collection_threshold")
-        a.garbage_collection_threshold = doc_.number(v).value_or(0);
+        a.garbage_collection_threshold = doc().number(v).value_or(0);
       else if (*key == "max_split_size") {
-        const int64_t m = doc_.integer(v).value_or(-1);
+        const int64_t m = doc().integer(v).value_or(-1);
         a.max_split_size = (m <= 0 || m >= (int64_t{1} << 60)) ? -1 : m;
       }
       return true;
     });
   }
 
-  const PickleDocument& doc_;
+  const PickleDocument& doc() const { return *doc_; }
+
+  const PickleDocument* doc_ = nullptr;
   const std::string& name_;
+  std::unordered_map<uint64_t, std::vector<SnapshotEvent>> taken_;  // trace lists' events, taken while reading
+  std::unordered_set<uint64_t> declined_;
   MemorySnapshot out_;
   std::unordered_map<uint64_t, StackId> stack_by_ref_;
   std::unordered_map<std::string, StackId> stack_by_content_;
@@ -283,12 +332,19 @@ class SnapshotReader {
 }  // namespace
 
 MemorySnapshot memory_snapshot_from(const PickleDocument& doc, const std::string& name) {
-  return SnapshotReader(doc, name).read();
+  return SnapshotReader(name).read(doc);
 }
 
 MemorySnapshot read_memory_snapshot(const std::string& path) {
-  const PickleDocument doc = read_pickle_file(path);
-  return memory_snapshot_from(doc, path);
+  SnapshotReader reader(path);
+  const PickleDocument doc = read_pickle_file(path, &reader);
+  return reader.read(doc);
+}
+
+MemorySnapshot read_memory_snapshot_bytes(std::string_view bytes, const std::string& name) {
+  SnapshotReader reader(name);
+  const PickleDocument doc = read_pickle_bytes(bytes, &reader);
+  return reader.read(doc);
 }
 
 }  // namespace headroom

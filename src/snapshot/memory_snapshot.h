@@ -94,8 +94,11 @@ struct MemorySnapshot {
   AllocatorSettings settings;
 };
 
-// Reads the snapshot in the pickle at `path`; any problem is an Error (PickleError for the pickle).
+// Reads the snapshot in the pickle at `path`, taking each trace's events as the pickle is read (the
+// document never holds them: PickleSink); any problem is an Error (PickleError for the pickle).
 MemorySnapshot read_memory_snapshot(const std::string& path);
+// The same for a pickle held in memory; `name` is for messages.
+MemorySnapshot read_memory_snapshot_bytes(std::string_view bytes, const std::string& name);
 // The snapshot in a document already read; `name` is for messages.
 MemorySnapshot memory_snapshot_from(const PickleDocument& doc, const std::string& name);
 

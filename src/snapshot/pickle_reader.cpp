@@ -149,7 +149,7 @@ const char* opcode_name(uint8_t op) {
 // with marks, and the memo.
 class PickleParser {
  public:
-  PickleParser(Source& in, PickleDocument& doc) : in_(in), doc_(doc) {}
+  PickleParser(Source& in, PickleDocument& doc, PickleSink* sink) : in_(in), doc_(doc), sink_(sink) {}
 
   void run() {
     using Ref = PickleDocument::Ref;
@@ -171,7 +171,10 @@ class PickleParser {
         case '.':  // STOP
           doc_.root_ = top("STOP");
           return;
-        case '(': marks_.push_back(stack_.size()); break;
+        case '(':
+          marks_.push_back({stack_.size(), doc_.containers_.size(), doc_.runs_.size(), doc_.refs_.size(),
+                            memo_log_.size(), ~uint64_t{0}});
+          break;
         case '0':  // POP: the top value, or (as Python does) the mark when nothing is above it
           if (stack_.size() > floor())
             stack_.pop_back();
@@ -270,13 +273,16 @@ class PickleParser {
         }
         case 'a': {  // APPEND
           if (stack_.size() < 2 + floor()) throw PickleError(at_, "APPEND needs a list and a value on the stack");
-          append(target(stack_.size() - 2, Kind::list, "APPEND"), stack_.size() - 1);
+          const Ref list = target(stack_.size() - 2, Kind::list, "APPEND");
+          if (!offer(list, stack_.size() - 1, nullptr)) append(list, stack_.size() - 1);
           break;
         }
         case 'e': {  // APPENDS
-          const size_t from = pop_mark();
+          const Mark mark = pop_mark_record();
+          const size_t from = mark.stack;
           if (from == 0 || from <= floor()) throw PickleError(at_, "APPENDS with no list below its mark");
-          append(target(from - 1, Kind::list, "APPENDS"), from);
+          const Ref list = target(from - 1, Kind::list, "APPENDS");
+          if (!offer(list, from, &mark)) append(list, from);
           break;
         }
         case 's': {  // SETITEM
@@ -319,17 +325,64 @@ class PickleParser {
   using Kind = PickleDocument::Kind;
   using D = PickleDocument;
 
-  size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  // A MARK, and the document's size when it was pushed: what a batch appended after it made.
+  struct Mark {
+    size_t stack;
+    uint64_t containers, runs, refs, memo_log;
+    uint64_t lowest_target;  // the oldest container appended to since (containers are numbered in order)
+  };
+
+  size_t floor() const { return marks_.empty() ? 0 : marks_.back().stack; }
   void push(Ref r) { stack_.push_back(r); }
   Ref top(const char* what) {
     if (stack_.size() <= floor()) throw PickleError(at_, fmt::format("{} with nothing on the stack", what));
     return stack_.back();
   }
-  size_t pop_mark() {
+  size_t pop_mark() { return pop_mark_record().stack; }
+  Mark pop_mark_record() {
     if (marks_.empty()) throw PickleError(at_, "no MARK on the stack for this opcode");
-    const size_t m = marks_.back();
+    const Mark m = marks_.back();
     marks_.pop_back();
+    if (!marks_.empty()) marks_.back().lowest_target = std::min(marks_.back().lowest_target, m.lowest_target);
     return m;
+  }
+
+  // Offers stack_[from..] to the sink as items of `list`; true when it took them (and they are off
+  // the stack). Their memory is dropped when everything made since `mark` is those items.
+  bool offer(Ref list, size_t from, const Mark* mark) {
+    if (!sink_) return false;
+    const size_t n = stack_.size() - from;
+    if (!sink_->take(doc_, list.bits, stack_.data() + from, n)) return false;
+    if (mark && n == doc_.containers_.size() - mark->containers && mark->lowest_target >= mark->containers) {
+      std::vector<bool> seen(n, false);
+      bool only_items = true;
+      for (size_t i = from; i < stack_.size() && only_items; ++i) {
+        const Ref r = stack_[i];
+        const uint64_t c = D::index(r);
+        only_items = D::tag(r) == D::kContainer && c >= mark->containers && !seen[c - mark->containers];
+        if (only_items) seen[c - mark->containers] = true;
+      }
+      if (only_items) forget_since(*mark);
+    }
+    stack_.resize(from);
+    return true;
+  }
+  // Drops every container made since `mark` (the items a sink took), and their memo entries.
+  void forget_since(const Mark& mark) {
+    size_t kept = mark.memo_log;
+    for (size_t k = mark.memo_log; k < memo_log_.size(); ++k) {
+      const uint64_t i = memo_log_[k];
+      const Ref v = memo_[i];
+      if (D::tag(v) != D::kContainer) continue;  // text and numbers stay
+      if (D::index(v) >= mark.containers)
+        memo_[i] = kTaken;
+      else
+        memo_log_[kept++] = i;  // an older container: an outer batch may still drop it
+    }
+    memo_log_.resize(kept);
+    doc_.containers_.resize(mark.containers);
+    doc_.runs_.resize(mark.runs);
+    doc_.refs_.resize(mark.refs);
   }
 
   Ref integer(int64_t v) {
@@ -399,6 +452,7 @@ class PickleParser {
   }
   // Moves stack_[from..] into container c, and off the stack.
   void append(Ref c, size_t from) {
+    if (!marks_.empty()) marks_.back().lowest_target = std::min<uint64_t>(marks_.back().lowest_target, D::index(c));
     PickleDocument::Container& box = doc_.containers_[D::index(c)];
     const uint64_t n = stack_.size() - from;
     for (uint64_t done = 0; done < n;) {
@@ -430,20 +484,30 @@ class PickleParser {
       if (i > in_.offset() + 256) throw PickleError(at_, fmt::format("memo index {} beyond the input read so far", i));
       memo_.resize(i + 1, D::make(D::kUnset, 0));
     }
-    if (D::tag(memo_[i]) == D::kUnset) ++memo_count_;
+    if (D::tag(memo_[i]) == D::kUnset && memo_[i] != kTaken) ++memo_count_;
     memo_[i] = v;
+    if (D::tag(v) == D::kContainer && !marks_.empty()) memo_log_.push_back(i);
   }
   void get(uint64_t i) {
+    if (i < memo_.size() && memo_[i] == kTaken) {
+      throw PickleError(at_, fmt::format("memo GET of index {}, an item already handed over to the reader of a list "
+                                         "(a trace event): not supported",
+                                         i));
+    }
     if (i >= memo_.size() || D::tag(memo_[i]) == D::kUnset)
       throw PickleError(at_, fmt::format("memo GET of index {}, which was never PUT", i));
     push(memo_[i]);
   }
 
+  static constexpr Ref kTaken = Ref{(uint64_t{1} << 3) | D::kUnset};
+
   Source& in_;
   PickleDocument& doc_;
+  PickleSink* sink_;
   std::vector<Ref> stack_;
-  std::vector<size_t> marks_;
+  std::vector<Mark> marks_;
   std::vector<Ref> memo_;
+  std::vector<uint64_t> memo_log_;  // memo indices set to containers, while a mark is open
   uint64_t memo_count_ = 0;
   uint64_t at_ = 0;
   std::string scratch_;
@@ -511,31 +575,31 @@ uint64_t PickleDocument::memory_bytes() const {
          containers_.size() * sizeof(Container) + runs_.size() * sizeof(Run) + refs_.size() * sizeof(Ref);
 }
 
-PickleDocument read_pickle(std::FILE* file, const std::string& name) {
+PickleDocument read_pickle(std::FILE* file, const std::string& name, PickleSink* sink) {
   PickleDocument doc;
   Source in(file, {});
   try {
-    PickleParser(in, doc).run();
+    PickleParser(in, doc, sink).run();
   } catch (const PickleError& e) {
     throw PickleError(e.offset(), e.detail(), name);
   }
   return doc;
 }
 
-PickleDocument read_pickle_file(const std::string& path) {
+PickleDocument read_pickle_file(const std::string& path, PickleSink* sink) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) fail("cannot open {}: {}", path, std::strerror(errno));
   struct Closer {
     std::FILE* f;
     ~Closer() { std::fclose(f); }
   } closer{f};
-  return read_pickle(f, path);
+  return read_pickle(f, path, sink);
 }
 
-PickleDocument read_pickle_bytes(std::string_view bytes) {
+PickleDocument read_pickle_bytes(std::string_view bytes, PickleSink* sink) {
   PickleDocument doc;
   Source in(nullptr, bytes);
-  PickleParser(in, doc).run();
+  PickleParser(in, doc, sink).run();
   return doc;
 }
 

@@ -26,6 +26,12 @@
 // The result is a PickleDocument: values as tagged 64-bit references into compact tables (small ints
 // inline, strings in an arena, containers as runs of references), a few times smaller than Python's
 // objects for the same pickle. Not thread-safe while reading; a finished document is read-only.
+//
+// Streaming: a PickleSink is offered the items of each list as they are appended (Python appends in
+// batches of 1000). One that takes them keeps its own compact form of them, and the list keeps none;
+// when a batch made nothing but the items it hands over (the common case once a snapshot's
+// tracebacks have all been seen), the document drops their memory at once, so a long trace never
+// sits in memory as a tree. A later memo reference to an item handed over is an error.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +57,17 @@ class PickleError : public Error {
  private:
   uint64_t offset_;
   std::string detail_;
+};
+
+class PickleDocument;
+
+// Offered the items appended to a list; see "Streaming" above.
+class PickleSink {
+ public:
+  virtual ~PickleSink() = default;
+  // `items` (n of them) are being appended to `list`. True: taken — the list keeps none of them, and
+  // they must not be looked at after this call. May throw an Error for items it cannot use.
+  virtual bool take(const PickleDocument& doc, uint64_t list_id, const void* items, size_t n) = 0;
 };
 
 class PickleDocument {
@@ -84,6 +101,10 @@ class PickleDocument {
   std::optional<Ref> get(Ref dict, std::string_view key) const;
 
   Ref root() const { return root_; }
+  // A list's identity, as PickleSink::take names it.
+  uint64_t id(Ref r) const { return r.bits; }
+  // The i-th of `items` as PickleSink::take passes them.
+  static Ref item(const void* items, size_t i) { return static_cast<const Ref*>(items)[i]; }
   // The bytes this document holds (its tables), for the benchmark.
   uint64_t memory_bytes() const;
 
@@ -135,11 +156,11 @@ class PickleDocument {
 };
 
 // Reads a whole pickle from `file` (read sequentially; a pipe works). `name` is for messages.
-PickleDocument read_pickle(std::FILE* file, const std::string& name);
+PickleDocument read_pickle(std::FILE* file, const std::string& name, PickleSink* sink = nullptr);
 // Reads the pickle in the file at `path`; a missing or unreadable file is an Error.
-PickleDocument read_pickle_file(const std::string& path);
+PickleDocument read_pickle_file(const std::string& path, PickleSink* sink = nullptr);
 // Reads a pickle held in memory.
-PickleDocument read_pickle_bytes(std::string_view bytes);
+PickleDocument read_pickle_bytes(std::string_view bytes, PickleSink* sink = nullptr);
 
 // ---- inline iteration ----
 

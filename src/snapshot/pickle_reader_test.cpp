@@ -273,5 +273,42 @@ TEST(PickleReader, SharedValuesAreStoredOnce) {
   EXPECT_LT(d.memory_bytes(), uint64_t{12} << 20);  // 8 MB of references, one 1 MiB text block
 }
 
+// A sink that takes lists of dicts: the document keeps none of their items, and drops the memory of
+// every batch that made nothing else; a later memo reference to a taken item is an error.
+struct TakeDicts : PickleSink {
+  uint64_t taken = 0;
+  bool take(const PickleDocument& doc, uint64_t, const void* items, size_t n) override {
+    if (!doc.is(PickleDocument::item(items, 0), Kind::dict)) return false;
+    for (size_t i = 0; i < n; ++i) taken += doc.integer(*doc.get(PickleDocument::item(items, i), "k")).value();
+    return true;
+  }
+};
+
+TEST(PickleReader, ASinkTakesListItemsAsTheyAreReadAndTheirMemoryGoes) {
+  TempDir dir;
+  const std::string path =
+      python_pickle(dir, 4, "value = {'events': [{'k': i, 'x': 'same'} for i in range(100000)], 'tail': [1, 2]}\n");
+  TakeDicts sink;
+  const PickleDocument d = read_pickle_file(path, &sink);
+  EXPECT_EQ(sink.taken, uint64_t{100000} * 99999 / 2);
+  EXPECT_EQ(d.size(*d.get(d.root(), "events")), 0u);
+  EXPECT_EQ(d.size(*d.get(d.root(), "tail")), 2u);  // a list of ints: not taken
+  const PickleDocument whole = read_pickle_file(path);
+  EXPECT_EQ(whole.size(*whole.get(whole.root(), "events")), 100000u);
+  // Whole: 100,000 dicts of 24 + 16 + 4 x 8 bytes, and the list's references; taken: the text block.
+  EXPECT_GT(whole.memory_bytes(), uint64_t{8'000'000});
+  EXPECT_LT(d.memory_bytes(), (uint64_t{1} << 20) + 4096);
+  // The same dict again in a later batch: its first appearance was dropped with its batch.
+  const std::string again =
+      python_pickle(dir, 4, "e = {'k': 1}\nvalue = [e] + [{'k': 0} for i in range(1500)] + [e]\n");
+  try {
+    read_pickle_file(again, &sink);
+    FAIL() << "a reference to a dropped item was followed";
+  } catch (const PickleError& e) {
+    EXPECT_NE(std::string(e.what()).find("already handed over"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(read_pickle_file(again));
+}
+
 }  // namespace
 }  // namespace headroom

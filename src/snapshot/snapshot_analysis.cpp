@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
+#include <future>
 #include <map>
 #include <unordered_map>
 #include <unordered_set>
@@ -622,8 +624,15 @@ class DeviceAnalyzer {
       c.max_split_size = mb << 20;
       configs.push_back({fmt::format("max_split_size_mb:{}", mb), c});
     }
+    // Independent replays: one thread each.
+    std::vector<std::future<ReplayOutcome>> running;
     for (const ReplayConfig& c : configs) {
-      const ReplayOutcome out = replay(ev_, initial_, use_completed_, c.config);
+      running.push_back(
+          std::async(std::launch::async, [this, &c] { return replay(ev_, initial_, use_completed_, c.config); }));
+    }
+    for (size_t k = 0; k < configs.size(); ++k) {
+      const ReplayConfig& c = configs[k];
+      const ReplayOutcome out = running[k].get();
       PolicyReplay p{c.name, out.peak_reserved, out.peak_allocated, 0};
       if (!r_.replays.empty()) p.saving = r_.replays.front().peak_reserved - out.peak_reserved;
       r_.replays.push_back(p);
