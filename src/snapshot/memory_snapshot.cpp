@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <unordered_map>
@@ -29,6 +30,10 @@ namespace {
 
 using Ref = PickleDocument::Ref;
 using Kind = PickleDocument::Kind;
+constexpr int64_t kMaxBytes = int64_t{1} << 48;
+// Events, blocks and frames have a dozen keys at most: a record of more is hostile, and would make
+// every lookup slow.
+constexpr uint64_t kMaxKeys = 64;
 
 // Where in the snapshot a value is, spelled out only for an error message.
 struct Place {
@@ -59,14 +64,20 @@ class SnapshotReader : public PickleSink {
     if (it == taken_.end()) {
       // A trace: its first item is an event (a record with an "action").
       const Ref first = PickleDocument::item(items, 0);
-      if (!doc().is(first, Kind::dict) || doc().size(first) > 256 || !doc().get(first, "action")) {
+      if (!doc().is(first, Kind::dict) || doc().size(first) > kMaxKeys || !doc().get(first, "action")) {
         declined_.insert(list_id);
         return false;
       }
       it = taken_.emplace(list_id, std::vector<SnapshotEvent>()).first;
     }
+    // The same event dict twice in a batch (a memo reference) would be read twice; a trace never
+    // shares its events.
+    std::unordered_set<uint64_t> seen;
     for (size_t k = 0; k < n; ++k) {
-      it->second.push_back(read_event(PickleDocument::item(items, k), Place{Place::trace_event, 0, it->second.size()}));
+      const Ref e = PickleDocument::item(items, k);
+      const Place where{Place::trace_event, 0, it->second.size()};
+      if (!seen.insert(e.bits).second) bad(where.str(), "an event of its own, not another event again");
+      it->second.push_back(read_event(e, where));
     }
     return true;
   }
@@ -115,11 +126,18 @@ class SnapshotReader : public PickleSink {
   // and would make every lookup slow).
   void expect_record(Ref r, const Place& where, const char* suffix = "") {
     if (!doc().is(r, Kind::dict)) bad(where.str() + suffix, "a dict");
-    if (doc().size(r) > 256) bad(where.str() + suffix, fmt::format("a record of a few keys, not {}", doc().size(r)));
+    if (doc().size(r) > kMaxKeys)
+      bad(where.str() + suffix, fmt::format("a record of a few keys, not {}", doc().size(r)));
   }
   int64_t integer(Ref v, const char* key, const Place& where) {
     const auto i = doc().integer(v);
     if (!i) bad(where.str() + "." + key, "an int");
+    return *i;
+  }
+  // A byte count: 0 to 2^48 (256 TiB, beyond any device), so that sums over a trace stay exact.
+  int64_t bytes(Ref v, const char* key, const Place& where) {
+    const auto i = doc().integer(v);
+    if (!i || *i < 0 || *i > kMaxBytes) bad(where.str() + "." + key, "a byte count from 0 to 2^48");
     return *i;
   }
 
@@ -171,7 +189,7 @@ class SnapshotReader : public PickleSink {
       if (*key == "address")
         seg.address = static_cast<uint64_t>(integer(v, "address", where)), has_address = true;
       else if (*key == "total_size")
-        seg.total_size = integer(v, "total_size", where), has_size = true;
+        seg.total_size = bytes(v, "total_size", where), has_size = true;
       else if (*key == "device")
         seg.device = integer(v, "device", where);
       else if (*key == "stream")
@@ -189,6 +207,7 @@ class SnapshotReader : public PickleSink {
     if (seg.total_size < 0) bad(where.str() + ".total_size", "a size of 0 bytes or more");
     if (blocks) {
       expect(*blocks, Kind::list, where.str() + ".blocks");
+      once(*blocks, where.str() + ".blocks");
       uint64_t b = 0;
       uint64_t next = seg.address;
       doc().for_each(*blocks, [&](Ref r) {
@@ -203,9 +222,9 @@ class SnapshotReader : public PickleSink {
           if (*key == "address")
             block.address = static_cast<uint64_t>(integer(v, "address", bwhere));
           else if (*key == "size")
-            block.size = integer(v, "size", bwhere), has_bsize = true;
+            block.size = bytes(v, "size", bwhere), has_bsize = true;
           else if (*key == "requested_size")
-            block.requested = integer(v, "requested_size", bwhere), has_requested = true;
+            block.requested = bytes(v, "requested_size", bwhere), has_requested = true;
           else if (*key == "frames")
             block.stack = read_stack(v, bwhere);
           else if (*key == "state") {
@@ -235,12 +254,9 @@ class SnapshotReader : public PickleSink {
   }
 
   void read_trace(Ref t, uint64_t d) {
-    if (const auto it = taken_.find(doc().id(t)); it != taken_.end()) {
-      out_.traces.push_back(std::move(it->second));
-      taken_.erase(it);
-      return;
-    }
     expect(t, Kind::list, fmt::format("device_traces[{}]", d));
+    once(t, fmt::format("device_traces[{}]", d));
+    // Items the list was built with (the LIST opcode) come before any appended (and taken) ones.
     std::vector<SnapshotEvent> events;
     events.reserve(doc().size(t));
     uint64_t i = 0;
@@ -248,7 +264,21 @@ class SnapshotReader : public PickleSink {
       events.push_back(read_event(e, Place{Place::event, d, i++}));
       return true;
     });
+    if (const auto it = taken_.find(doc().id(t)); it != taken_.end()) {
+      if (events.empty()) {
+        events = std::move(it->second);
+      } else {
+        events.insert(events.end(), it->second.begin(), it->second.end());
+      }
+      taken_.erase(it);
+    }
     out_.traces.push_back(std::move(events));
+  }
+
+  // A list read as a trace or as a segment's blocks is read once: shared by reference (the memo),
+  // it would be copied for each use — memory without bound from a small file.
+  void once(Ref list, const std::string& where) {
+    if (!read_lists_.insert(doc().id(list)).second) bad(where, "a list of its own, not one shared with another");
   }
 
   SnapshotEvent read_event(Ref e, const Place& where) {
@@ -264,15 +294,16 @@ class SnapshotReader : public PickleSink {
         has_action = true;
         ev.action = action(*a);
       } else if (*key == "size") {
-        ev.size = integer(v, "size", where), has_size = true;
+        ev.size = bytes(v, "size", where), has_size = true;
       } else if (*key == "addr") {
         ev.address = static_cast<uint64_t>(integer(v, "addr", where)), has_addr = true;
       } else if (*key == "stream") {
         ev.stream = integer(v, "stream", where);
       } else if (*key == "time_us") {
-        ev.time_us = doc().number(v).has_value() ? static_cast<int64_t>(*doc().number(v)) : 0;
+        const double t = doc().number(v).value_or(0);
+        ev.time_us = std::isfinite(t) && std::abs(t) < 9e18 ? static_cast<int64_t>(t) : 0;
       } else if (*key == "device_free") {
-        ev.device_free = integer(v, "device_free", where);
+        ev.device_free = bytes(v, "device_free", where);
       } else if (*key == "frames") {
         ev.stack = read_stack(v, where);
       }
@@ -322,6 +353,7 @@ class SnapshotReader : public PickleSink {
   const std::string& name_;
   std::unordered_map<uint64_t, std::vector<SnapshotEvent>> taken_;  // trace lists' events, taken while reading
   std::unordered_set<uint64_t> declined_;
+  std::unordered_set<uint64_t> read_lists_;
   MemorySnapshot out_;
   std::unordered_map<uint64_t, StackId> stack_by_ref_;
   std::unordered_map<std::string, StackId> stack_by_content_;

@@ -156,8 +156,9 @@ class PickleParser {
     using Kind = PickleDocument::Kind;
     using D = PickleDocument;
     if (!in_.more()) throw PickleError(0, "empty input: a pickle starts with PROTO (0x80) or an opcode");
-    for (;;) {
+    for (uint64_t ops = 1;; ++ops) {
       at_ = in_.offset();
+      if (ops % 65536 == 0) check_expansion();
       const uint8_t op = in_.byte(at_, "an opcode");
       switch (op) {
         case 0x80: {  // PROTO
@@ -172,6 +173,7 @@ class PickleParser {
           doc_.root_ = top("STOP");
           return;
         case '(':
+          if (marks_.size() >= kMaxMarks) throw PickleError(at_, fmt::format("more than {} nested MARKs", kMaxMarks));
           marks_.push_back({stack_.size(), doc_.containers_.size(), doc_.runs_.size(), doc_.refs_.size(),
                             memo_log_.size(), ~uint64_t{0}});
           break;
@@ -333,6 +335,18 @@ class PickleParser {
   };
 
   size_t floor() const { return marks_.empty() ? 0 : marks_.back().stack; }
+
+  // Plain data costs a few times its pickle in memory (a snapshot about twice); a pickle built to
+  // expand (a byte per empty tuple, each a container) is stopped at 16 times its size read so far.
+  void check_expansion() const {
+    const uint64_t held = doc_.memory_bytes() + stack_.size() * sizeof(Ref) + marks_.size() * sizeof(Mark) +
+                          memo_.size() * sizeof(Ref) + memo_log_.size() * sizeof(uint64_t);
+    if (held > 16 * at_ + (uint64_t{64} << 20)) {
+      throw PickleError(at_, fmt::format("the pickle expands to {} bytes in memory, more than 16 times the {} bytes "
+                                         "read: not plain data of a memory snapshot",
+                                         held, at_));
+    }
+  }
   void push(Ref r) { stack_.push_back(r); }
   Ref top(const char* what) {
     if (stack_.size() <= floor()) throw PickleError(at_, fmt::format("{} with nothing on the stack", what));
@@ -500,6 +514,7 @@ class PickleParser {
   }
 
   static constexpr Ref kTaken = Ref{(uint64_t{1} << 3) | D::kUnset};
+  static constexpr size_t kMaxMarks = 100'000;  // snapshots nest a handful
 
   Source& in_;
   PickleDocument& doc_;

@@ -38,6 +38,7 @@ std::string frame_label(const SnapshotFrame& f) {
 
 constexpr const char* kNoStackLabel = "(no stack recorded)";
 constexpr const char* kBeforeTrace = "(allocated before the trace began)";
+constexpr StackId kBeforeTraceStack = -2;  // a block the trace frees without having allocated it
 
 // Per stack: its site (the top user frame), a key for the iteration search, and what it shows.
 class Sites {
@@ -55,8 +56,12 @@ class Sites {
   };
 
   const Info& info(StackId id) {
+    if (id == kBeforeTraceStack) {
+      static const Info before{true, -2, -2, 0x7f4a7c159e3779b9ull, -1, false, false};
+      return before;
+    }
     if (id == kNoStack || id < 0 || static_cast<size_t>(id) >= info_.size()) {
-      static Info none{true, -1, -1, 0x9e3779b97f4a7c15ull, -1, false, false};
+      static const Info none{true, -1, -1, 0x9e3779b97f4a7c15ull, -1, false, false};
       return none;
     }
     Info& i = info_[id];
@@ -96,7 +101,7 @@ class Sites {
     i.key = std::hash<std::string>{}(f.filename) * 1000003u ^ static_cast<uint64_t>(f.line);
     return i;
   }
-  std::string label(int32_t site) const { return site < 0 ? kNoStackLabel : labels_[site]; }
+  std::string label(int32_t site) const { return site == -2 ? kBeforeTrace : site < 0 ? kNoStackLabel : labels_[site]; }
   // The next user frames out from the site, up to three.
   std::vector<std::string> callers(StackId id) {
     std::vector<std::string> out;
@@ -129,7 +134,7 @@ struct LiveBlock {
 };
 using LiveMap = std::unordered_map<uint64_t, LiveBlock>;
 
-std::vector<SiteGroup> group_live(const LiveMap& live, int64_t before_trace, Sites& sites, int64_t top,
+std::vector<SiteGroup> group_live(const LiveMap& live, Sites& sites, int64_t top,
                                   const std::function<bool(const LiveBlock&)>& keep = nullptr) {
   struct Acc {
     int64_t bytes = 0, count = 0, largest = -1;
@@ -147,7 +152,6 @@ std::vector<SiteGroup> group_live(const LiveMap& live, int64_t before_trace, Sit
   for (const auto& [site, a] : by_site) {
     out.push_back({sites.label(site), sites.callers(a.largest_stack), a.bytes, a.count});
   }
-  if (before_trace > 0) out.push_back({kBeforeTrace, {}, before_trace, 0});
   std::sort(out.begin(), out.end(), [](const SiteGroup& x, const SiteGroup& y) {
     return x.bytes != y.bytes ? x.bytes > y.bytes : x.site < y.site;
   });
@@ -175,8 +179,10 @@ struct ReplayOutcome {
   std::map<int64_t, int64_t> reserved_at;  // event -> reserved
 };
 ReplayOutcome replay(const std::vector<SnapshotEvent>& ev, const std::vector<std::pair<uint64_t, LiveBlock>>& initial,
-                     bool use_completed, const AllocatorConfig& config) {
-  CachingPolicy p(config);
+                     bool use_completed, const AllocatorConfig& config, int64_t device) {
+  // A device large enough for the trace, which it never fills (the policy sizes the address space
+  // of expandable segments from it): nothing is refused for want of memory.
+  CachingPolicy p(config, device);
   std::unordered_map<uint64_t, uint64_t> where;
   std::unordered_map<int64_t, int> streams;
   auto stream = [&](int64_t s) { return streams.try_emplace(s, static_cast<int>(streams.size())).first->second; };
@@ -186,6 +192,7 @@ ReplayOutcome replay(const std::vector<SnapshotEvent>& ev, const std::vector<std
   }
   ReplayOutcome out;
   bool freeing_segments = false;
+  int64_t emptied = 0;  // each costs a walk of the cached blocks: a thousand at most
   for (size_t i = 0; i < ev.size(); ++i) {
     const SnapshotEvent& e = ev[i];
     if (e.action == SnapshotAction::alloc && e.size > 0) {
@@ -197,7 +204,7 @@ ReplayOutcome replay(const std::vector<SnapshotEvent>& ev, const std::vector<std
       }
     } else if (e.action == SnapshotAction::segment_free || e.action == SnapshotAction::segment_unmap) {
       // The program (or an OOM's retry) released cached segments here: do the same once.
-      if (!freeing_segments) p.empty_cache();
+      if (!freeing_segments && ++emptied <= 1000) p.empty_cache();
       freeing_segments = true;
       continue;
     } else if (e.action == SnapshotAction::oom) {
@@ -238,22 +245,28 @@ class DeviceAnalyzer {
   }
 
  private:
+  void add_checked(int64_t& acc, int64_t v, const char* what) const {
+    if (__builtin_add_overflow(acc, v, &acc) || acc > kMaxSum || acc < -kMaxSum) {
+      fail("device {}: {} add up to more than 2^60 bytes; not a memory snapshot of a device", r_.device, what);
+    }
+  }
+
   // The segments: the state after the last event.
   void final_state() {
     for (const SnapshotSegment& seg : s_.segments) {
       if (seg.device != r_.device) continue;
       ++r_.segments;
-      r_.reserved_at_end += seg.total_size;
+      add_checked(r_.reserved_at_end, seg.total_size, "its segments");
       bool live = false;
       for (const SnapshotBlock& b : seg.blocks) {
         if (b.state != BlockState::inactive) {
-          r_.allocated_at_end += b.requested;
+          add_checked(r_.allocated_at_end, b.requested, "its segments' blocks");
           live = true;
         } else if (seg.expandable) {
-          r_.empty_cache_at_end += b.size;
+          add_checked(r_.empty_cache_at_end, b.size, "its segments' blocks");
         }
       }
-      if (!live && !seg.expandable) r_.empty_cache_at_end += seg.total_size;
+      if (!live && !seg.expandable) add_checked(r_.empty_cache_at_end, seg.total_size, "its segments");
     }
   }
 
@@ -261,16 +274,21 @@ class DeviceAnalyzer {
   void pass_totals() {
     use_completed_ = std::any_of(ev_.begin(), ev_.end(),
                                  [](const SnapshotEvent& e) { return e.action == SnapshotAction::free_completed; });
+    // Sizes are at most 2^48 each (memory_snapshot.h); their running sums are checked here, so that
+    // every later pass over the same events stays within 64 bits.
     int64_t net_a = 0, net_r = 0;
+    auto add = [&](int64_t& acc, int64_t v) { add_checked(acc, v, "the trace's sizes"); };
     for (const SnapshotEvent& e : ev_) {
-      if (e.action == SnapshotAction::alloc)
-        net_a += e.size;
-      else if (is_free(e.action, use_completed_))
-        net_a -= e.size;
-      else if (adds_reserved(e.action))
-        net_r += e.size;
-      else if (drops_reserved(e.action))
-        net_r -= e.size;
+      if (e.action == SnapshotAction::alloc) {
+        add(net_a, e.size);
+      } else if (is_free(e.action, use_completed_)) {
+        add(net_a, -e.size);
+      } else if (adds_reserved(e.action)) {
+        add(net_r, e.size);
+      } else if (drops_reserved(e.action)) {
+        add(net_r, -e.size);
+      }
+      largest_request_ = std::max(largest_request_, e.size);
     }
     r_.allocated_at_start = r_.allocated_at_end - net_a;
     r_.reserved_at_start = r_.reserved_at_end - net_r;
@@ -317,6 +335,22 @@ class DeviceAnalyzer {
       t.allocated_min = std::min(t.allocated_min, a);
       t.allocated_max = std::max(t.allocated_max, a);
       t.reserved_max = std::max(t.reserved_max, res);
+    }
+    // The segments are looked at while reserved stays at its peak, when most of it is in use (the
+    // segment that made the peak holds nothing yet at its segment_alloc: its alloc comes next).
+    segments_event_ = r_.peak_reserved_event;
+    if (segments_event_ >= 0) {
+      int64_t level = 0, best = 0;
+      for (int64_t i = r_.peak_reserved_event + 1; i < n; ++i) {
+        const SnapshotEvent& e = ev_[i];
+        if (adds_reserved(e.action) || drops_reserved(e.action)) break;
+        if (e.action == SnapshotAction::alloc) {
+          level += e.size;
+        } else if (is_free(e.action, use_completed_)) {
+          level -= e.size;
+        }
+        if (level > best) best = level, segments_event_ = i;
+      }
     }
   }
 
@@ -406,7 +440,6 @@ class DeviceAnalyzer {
     LiveMap live;
     live.reserve(1024);
     std::unordered_set<uint64_t> allocated_in_trace, segment_made;
-    std::vector<std::pair<uint64_t, LiveBlock>> freed_before;  // freed in the trace, allocated before it
     std::map<uint64_t, std::pair<int64_t, bool>> segs;         // address -> size, expandable
     {
       std::unordered_set<uint64_t> seen;
@@ -418,23 +451,32 @@ class DeviceAnalyzer {
         }
       }
     }
-    int64_t throughout = 0;
+    // Live when the trace began: blocks the segments still hold that no event allocated, and blocks
+    // the trace frees before (or without) allocating them.
     for (const SnapshotSegment& seg : s_.segments) {
       if (seg.device != r_.device) continue;
       if (!segment_made.count(seg.address)) segs[seg.address] = {seg.total_size, seg.expandable};
       for (const SnapshotBlock& b : seg.blocks) {
         if (b.state == BlockState::inactive || allocated_in_trace.count(b.address)) continue;
         live[b.address] = {b.requested, b.stack, -1, seg.stream};
-        throughout += b.requested;
       }
     }
-    int64_t before = std::max<int64_t>(0, r_.allocated_at_start - throughout);  // freed during the trace
+    {
+      std::unordered_set<uint64_t> allocated;
+      for (const SnapshotEvent& e : ev_) {
+        if (e.action == SnapshotAction::alloc) {
+          allocated.insert(e.address);
+        } else if (is_free(e.action, use_completed_) && !allocated.count(e.address) && !live.count(e.address)) {
+          live[e.address] = {e.size, kBeforeTraceStack, -1, e.stream};
+        }
+      }
+    }
     for (const auto& [addr, b] : live) initial_.emplace_back(addr, b);
 
     const int64_t n = static_cast<int64_t>(ev_.size());
-    auto snapshot_peak = [&] { r_.live_at_peak = group_live(live, before, sites_, o_.top_sites); };
+    auto snapshot_peak = [&] { r_.live_at_peak = group_live(live, sites_, o_.top_sites); };
     if (r_.peak_allocated_event < 0) snapshot_peak();
-    if (r_.peak_reserved_event < 0) segments_at_peak(live, segs);
+    if (segments_event_ < 0) segments_at_peak(live, segs);
 
     std::vector<Iteration>& its = r_.iterations;
     for (int64_t s : iteration_starts_) its.push_back({s, ev_[s].time_us, 0, 0});
@@ -452,24 +494,18 @@ class DeviceAnalyzer {
         live[e.address] = {e.size, e.stack, i, e.stream};
       } else if (is_free(e.action, use_completed_)) {
         a -= e.size;
-        if (const auto it = live.find(e.address); it != live.end()) {
-          live.erase(it);
-        } else {
-          before -= e.size;
-          freed_before_.emplace_back(e.address, LiveBlock{e.size, e.stack, -1, e.stream});
-        }
+        live.erase(e.address);  // none: freed twice, or an inconsistent trace
       } else if (adds_reserved(e.action)) {
         segs[e.address] = {e.size, e.action == SnapshotAction::segment_map};
       } else if (drops_reserved(e.action)) {
         segs.erase(e.address);
       } else if (e.action == SnapshotAction::oom && r_.ooms.size() < 20) {
-        oom_at(i, a, live, std::max<int64_t>(0, before));
+        oom_at(i, a, live);
       }
       if (current >= 0) its[current].peak = std::max(its[current].peak, a);
       if (i == r_.peak_allocated_event) snapshot_peak();
-      if (i == r_.peak_reserved_event) segments_at_peak(live, segs);
+      if (i == segments_event_) segments_at_peak(live, segs);
     }
-    for (const auto& fb : freed_before_) initial_.push_back(fb);
     if (r_.iterations_found) leak(live);
   }
 
@@ -480,14 +516,18 @@ class DeviceAnalyzer {
     for (const auto& [addr, b] : live) blocks.emplace_back(addr, rounding.round_size(std::max<int64_t>(b.size, 1)));
     std::sort(blocks.begin(), blocks.end());
     std::vector<SegmentState> states;
-    for (const auto& [addr, sz] : segs) {
-      const auto& [size, expandable] = sz;
-      if (expandable) continue;
+    // One sweep: segments in address order, each ending where the next begins (they never overlap
+    // in a real snapshot), the block cursor only moving forward.
+    auto cursor = blocks.begin();
+    for (auto seg = segs.begin(); seg != segs.end(); ++seg) {
+      const uint64_t addr = seg->first;
+      const auto& [size, expandable] = seg->second;
+      uint64_t end = addr + static_cast<uint64_t>(size);
+      if (const auto next = std::next(seg); next != segs.end()) end = std::min(end, next->first);
+      cursor = std::lower_bound(cursor, blocks.end(), std::make_pair(addr, int64_t{0}));
       int64_t used = 0;
-      for (auto it = std::lower_bound(blocks.begin(), blocks.end(), std::make_pair(addr, int64_t{0}));
-           it != blocks.end() && it->first < addr + static_cast<uint64_t>(size); ++it) {
-        used += it->second;
-      }
+      for (; cursor != blocks.end() && cursor->first < end; ++cursor) used += cursor->second;
+      if (expandable) continue;
       if (used == 0) {
         r_.free_segments_at_peak += size;
         continue;
@@ -502,7 +542,7 @@ class DeviceAnalyzer {
     r_.fragmented_segments = std::move(states);
   }
 
-  void oom_at(int64_t i, int64_t a, const LiveMap& live, int64_t before) {
+  void oom_at(int64_t i, int64_t a, const LiveMap& live) {
     const SnapshotEvent& e = ev_[i];
     SnapshotOom o;
     o.event = i;
@@ -515,7 +555,7 @@ class DeviceAnalyzer {
     CachingPolicy rounding;
     const int64_t segment = CachingPolicy::allocation_size(rounding.round_size(std::max<int64_t>(e.size, 1)));
     o.shortfall = std::max<int64_t>(0, segment - std::max<int64_t>(0, e.device_free));
-    o.live = group_live(live, before, sites_, 8);
+    o.live = group_live(live, sites_, 8);
     o.stack = sites_.label(sites_.info(e.stack).site);
     const int64_t it = iteration_of(i);
     int64_t forward = 0, optimizer = 0, leaked = 0;
@@ -600,6 +640,15 @@ class DeviceAnalyzer {
   }
 
   void replays() {
+    std::unordered_set<int64_t> streams;
+    for (const SnapshotEvent& e : ev_) {
+      if (streams.insert(e.stream).second && streams.size() > 64) break;
+    }
+    if (std::max(r_.peak_allocated, r_.peak_reserved) > (int64_t{1} << 50) || streams.size() > 64) {
+      notes_.push_back(
+          fmt::format("device {}: more than 1 PiB or 64 streams: the allocator settings were not replayed", r_.device));
+      return;
+    }
     AllocatorConfig recorded;
     std::string recorded_name = "as recorded";
     if (s_.settings.known) {
@@ -624,16 +673,32 @@ class DeviceAnalyzer {
       c.max_split_size = mb << 20;
       configs.push_back({fmt::format("max_split_size_mb:{}", mb), c});
     }
+    const int64_t device = std::max<int64_t>(
+        int64_t{1} << 40,
+        4 * std::max({r_.peak_allocated, r_.peak_reserved, r_.allocated_at_start + largest_request_}));
     // Independent replays: one thread each.
-    std::vector<std::future<ReplayOutcome>> running;
+    std::vector<std::future<std::optional<ReplayOutcome>>> running;
     for (const ReplayConfig& c : configs) {
-      running.push_back(
-          std::async(std::launch::async, [this, &c] { return replay(ev_, initial_, use_completed_, c.config); }));
+      running.push_back(std::async(std::launch::async, [this, &c, device] {
+        try {
+          return std::optional<ReplayOutcome>(replay(ev_, initial_, use_completed_, c.config, device));
+        } catch (const std::exception&) {  // a trace the policy cannot follow (it checks its invariants)
+          return std::optional<ReplayOutcome>();
+        }
+      }));
+    }
+    std::vector<std::optional<ReplayOutcome>> outcomes;
+    for (auto& r : running) outcomes.push_back(r.get());
+    if (std::any_of(outcomes.begin(), outcomes.end(), [](const auto& o) { return !o.has_value(); })) {
+      notes_.push_back(
+          fmt::format("device {}: the allocator's policy could not follow the trace (blocks freed that "
+                      "it never handed out, or overlapping ones): no replays",
+                      r_.device));
+      return;
     }
     for (size_t k = 0; k < configs.size(); ++k) {
-      const ReplayConfig& c = configs[k];
-      const ReplayOutcome out = running[k].get();
-      PolicyReplay p{c.name, out.peak_reserved, out.peak_allocated, 0};
+      const ReplayOutcome& out = *outcomes[k];
+      PolicyReplay p{configs[k].name, out.peak_reserved, out.peak_allocated, 0};
       if (!r_.replays.empty()) p.saving = r_.replays.front().peak_reserved - out.peak_reserved;
       r_.replays.push_back(p);
       replay_reserved_at_oom_.push_back(out.reserved_at);
@@ -720,9 +785,12 @@ class DeviceAnalyzer {
   const AnalyzeOptions& o_;
   std::vector<std::string>& notes_;
   DeviceAnalysis r_;
+  static constexpr int64_t kMaxSum = int64_t{1} << 60;
   bool use_completed_ = true;
+  int64_t largest_request_ = 0;
+  int64_t segments_event_ = -1;  // when the segments are looked at: at the peak reserved
   std::vector<int64_t> iteration_starts_;
-  std::vector<std::pair<uint64_t, LiveBlock>> initial_, freed_before_;
+  std::vector<std::pair<uint64_t, LiveBlock>> initial_;  // live when the trace began
   std::vector<OomFacts> oom_facts_;
   std::vector<std::map<int64_t, int64_t>> replay_reserved_at_oom_;
 };

@@ -227,5 +227,27 @@ TEST(AnalyzeCommand, BadInputIsOneLineAndExitTwo) {
   }
 }
 
+// Sizes up to 2^48 bytes each are read, whatever they add up to; beyond, the file is refused.
+TEST(AnalyzeCommand, ExtremeSizesAreAnalysedOrRefusedNeverACrash) {
+  TempDir dir;
+  const std::string script = dir.file("extreme.py");
+  std::ofstream(script) << R"(import pickle, sys
+ev = lambda a, addr, size, s=0: dict(action=a, addr=addr, size=size, stream=s, time_us=1, frames=[])
+T = int(sys.argv[2])
+trace = [ev('segment_alloc', 0, T), ev('alloc', 0, T - 5), ev('alloc', -5, T, -7), ev('free_completed', 0, T - 5),
+         dict(action='oom', size=T, device_free=0, stream=0, time_us=2), ev('segment_free', 0, T),
+         ev('free_completed', 12345, 77)]
+pickle.dump({'segments': [], 'device_traces': [trace]}, open(sys.argv[1], 'wb'))
+)";
+  for (const auto& [size, code] : std::vector<std::pair<std::string, int>>{{"140737488355328", 0},     // 2^47
+                                                                           {"281474976710657", 2}}) {  // 2^48 + 1
+    const std::string snap = dir.file("x" + size + ".pickle");
+    ASSERT_EQ(run_command(std::string(HEADROOM_PYTHON) + " " + script + " " + snap + " " + size).code, 0);
+    const auto r = run_command(std::string(HEADROOM_BINARY) + " analyze " + snap + " 2>&1");
+    EXPECT_EQ(r.code, code) << r.out;
+    if (code == 2) EXPECT_NE(r.out.find("a byte count from 0 to 2^48"), std::string::npos) << r.out;
+  }
+}
+
 }  // namespace
 }  // namespace headroom

@@ -127,5 +127,40 @@ TEST(SnapshotFuzz, EveryTruncationOfASnapshotIsRefused) {
   }
 }
 
+// Structures a small file can make huge through the memo, refused by name; and overlapping
+// segments over a long blocks list, analysed in one sweep.
+TEST(SnapshotFuzz, SharedAndOverlappingStructuresAreRefusedOrBounded) {
+  testing::TempDir dir;
+  const std::string script = dir.file("hostile.py");
+  std::ofstream(script) << R"(import pickle, sys
+ev = dict(action='alloc', addr=0, size=512, stream=0, time_us=1, frames=[])
+blocks = [dict(address=i * 512, size=512, requested_size=512, state='active_allocated', frames=[]) for i in range(2000)]
+seg = dict(address=0, total_size=2000 * 512, blocks=blocks)
+cases = {
+  'shared_blocks': {'segments': [seg] + [dict(address=2**30 + i * 2**21, total_size=2**21, blocks=blocks) for i in range(2)]},
+  'shared_trace': {'segments': [], 'device_traces': [[ev], [ev]][:1] * 2},
+  'same_event': {'segments': [], 'device_traces': [[ev] * 5]},
+  'overlapping': {'segments': [dict(address=0, total_size=2**40, blocks=[dict(size=512, state='active_allocated')] * 20000)]
+                  + [dict(address=i * 4096, total_size=2**21, blocks=[]) for i in range(1, 20000)]},
+}
+for name, value in cases.items():
+    pickle.dump(value, open(sys.argv[1] + '/' + name + '.pickle', 'wb'))
+)";
+  ASSERT_EQ(testing::run_command(std::string(HEADROOM_PYTHON) + " " + script + " " + dir.path()).code, 0);
+  for (const auto& [name, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"shared_blocks", "segments[1].blocks: expected a list of its own"},
+           {"shared_trace", "device_traces[1]: expected a list of its own"},
+           {"same_event", "an event of its own"}}) {
+    try {
+      read_memory_snapshot(dir.file(name + ".pickle"));
+      ADD_FAILURE() << name << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+  const SnapshotAnalysis a = analyze_snapshot(read_memory_snapshot(dir.file("overlapping.pickle")), "overlapping");
+  EXPECT_EQ(a.devices.at(0).segments, 20000);
+}
+
 }  // namespace
 }  // namespace headroom
