@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <unordered_map>
@@ -68,7 +69,7 @@ class SnapshotReader : public PickleSink {
         declined_.insert(list_id);
         return false;
       }
-      it = taken_.emplace(list_id, std::vector<SnapshotEvent>()).first;
+      it = taken_.emplace(list_id, std::deque<SnapshotEvent>()).first;
     }
     // The same event dict twice in a batch (a memo reference) would be read twice; a trace never
     // shares its events.
@@ -134,6 +135,15 @@ class SnapshotReader : public PickleSink {
     if (!i) bad(where.str() + "." + key, "an int");
     return *i;
   }
+  // A stream's index in the snapshot's table of them.
+  uint16_t stream(int64_t id, const Place& where) {
+    auto [it, inserted] = stream_index_.try_emplace(id, out_.streams.size());
+    if (inserted) {
+      if (out_.streams.size() >= 65536) bad(where.str() + ".stream", "one of at most 65,536 streams");
+      out_.streams.push_back(id);
+    }
+    return static_cast<uint16_t>(it->second);
+  }
   // A byte count: 0 to 2^48 (256 TiB, beyond any device), so that sums over a trace stay exact.
   int64_t bytes(Ref v, const char* key, const Place& where) {
     const auto i = doc().integer(v);
@@ -193,7 +203,7 @@ class SnapshotReader : public PickleSink {
       else if (*key == "device")
         seg.device = integer(v, "device", where);
       else if (*key == "stream")
-        seg.stream = integer(v, "stream", where);
+        seg.stream = stream(integer(v, "stream", where), where);
       else if (*key == "segment_type")
         seg.small = doc().text(v).value_or("") == "small";
       else if (*key == "is_expandable")
@@ -257,8 +267,7 @@ class SnapshotReader : public PickleSink {
     expect(t, Kind::list, fmt::format("device_traces[{}]", d));
     once(t, fmt::format("device_traces[{}]", d));
     // Items the list was built with (the LIST opcode) come before any appended (and taken) ones.
-    std::vector<SnapshotEvent> events;
-    events.reserve(doc().size(t));
+    std::deque<SnapshotEvent> events;
     uint64_t i = 0;
     doc().for_each(t, [&](Ref e) {
       events.push_back(read_event(e, Place{Place::event, d, i++}));
@@ -285,6 +294,7 @@ class SnapshotReader : public PickleSink {
     expect_record(e, where);
     SnapshotEvent ev;
     bool has_action = false, has_size = false, has_addr = false;
+    int64_t device_free = -1;
     doc().for_each_item(e, [&](Ref k, Ref v) {
       const auto key = doc().text(k);
       if (!key) return true;
@@ -298,12 +308,12 @@ class SnapshotReader : public PickleSink {
       } else if (*key == "addr") {
         ev.address = static_cast<uint64_t>(integer(v, "addr", where)), has_addr = true;
       } else if (*key == "stream") {
-        ev.stream = integer(v, "stream", where);
+        ev.stream = stream(integer(v, "stream", where), where);
       } else if (*key == "time_us") {
         const double t = doc().number(v).value_or(0);
         ev.time_us = std::isfinite(t) && std::abs(t) < 9e18 ? static_cast<int64_t>(t) : 0;
       } else if (*key == "device_free") {
-        ev.device_free = bytes(v, "device_free", where);
+        device_free = bytes(v, "device_free", where);
       } else if (*key == "frames") {
         ev.stack = read_stack(v, where);
       }
@@ -313,6 +323,7 @@ class SnapshotReader : public PickleSink {
     const bool addressed =
         ev.action != SnapshotAction::oom && ev.action != SnapshotAction::snapshot && ev.action != SnapshotAction::other;
     if (addressed && !has_addr) bad(where.str() + ".addr", "an int (the block's or segment's address)");
+    if (ev.action == SnapshotAction::oom) ev.address = device_free >= 0 ? static_cast<uint64_t>(device_free) + 1 : 0;
     if (ev.action != SnapshotAction::snapshot && ev.action != SnapshotAction::other && (!has_size || ev.size < 0)) {
       bad(where.str() + ".size", "an int of 0 or more");
     }
@@ -351,9 +362,10 @@ class SnapshotReader : public PickleSink {
 
   const PickleDocument* doc_ = nullptr;
   const std::string& name_;
-  std::unordered_map<uint64_t, std::vector<SnapshotEvent>> taken_;  // trace lists' events, taken while reading
+  std::unordered_map<uint64_t, std::deque<SnapshotEvent>> taken_;  // trace lists' events, taken while reading
   std::unordered_set<uint64_t> declined_;
   std::unordered_set<uint64_t> read_lists_;
+  std::unordered_map<int64_t, size_t> stream_index_;
   MemorySnapshot out_;
   std::unordered_map<uint64_t, StackId> stack_by_ref_;
   std::unordered_map<std::string, StackId> stack_by_content_;

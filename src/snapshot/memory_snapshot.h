@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,7 +49,7 @@ struct SnapshotSegment {
   int64_t device = 0;
   uint64_t address = 0;
   int64_t total_size = 0;
-  int64_t stream = 0;
+  uint16_t stream = 0;  // index into MemorySnapshot::streams
   bool small = false;
   bool expandable = false;
   std::vector<SnapshotBlock> blocks;
@@ -68,15 +69,20 @@ enum class SnapshotAction : uint8_t {
 };
 const char* snapshot_action_name(SnapshotAction a);
 
+// 32 bytes: a trace of 17 million events (a 1 GB pickle) holds half a gigabyte.
 struct SnapshotEvent {
-  SnapshotAction action = SnapshotAction::other;
-  StackId stack = kNoStack;
-  uint64_t address = 0;  // for oom: none
-  int64_t size = 0;      // for oom: the request
-  int64_t stream = 0;
+  uint64_t address = 0;  // the block's or segment's; for an oom, device_free() + 1 (0: unknown)
+  int64_t size = 0;      // for an oom: the request
   int64_t time_us = 0;
-  int64_t device_free = -1;  // oom only: what the device still had free; -1 unknown
+  StackId stack = kNoStack;
+  uint16_t stream = 0;  // index into MemorySnapshot::streams
+  SnapshotAction action = SnapshotAction::other;
+  // An oom's record of what the device still had free; -1 unknown.
+  int64_t device_free() const {
+    return action == SnapshotAction::oom && address > 0 ? static_cast<int64_t>(address - 1) : -1;
+  }
 };
+static_assert(sizeof(SnapshotEvent) == 32);
 
 struct AllocatorSettings {
   bool known = false;  // the snapshot had "allocator_settings"
@@ -88,7 +94,8 @@ struct AllocatorSettings {
 
 struct MemorySnapshot {
   std::vector<SnapshotSegment> segments;
-  std::vector<std::vector<SnapshotEvent>> traces;  // one per device, in time order
+  std::vector<std::deque<SnapshotEvent>> traces;   // one per device, in time order (a deque: grown without copies)
+  std::vector<int64_t> streams;                    // the streams' ids as recorded (at most 65,536)
   std::vector<SnapshotFrame> frames;               // each distinct frame once
   std::vector<std::vector<int32_t>> stacks;        // frame indices, innermost first, as PyTorch lists them
   AllocatorSettings settings;

@@ -178,7 +178,7 @@ struct ReplayOutcome {
   int64_t peak_reserved = 0, peak_allocated = 0;
   std::map<int64_t, int64_t> reserved_at;  // event -> reserved
 };
-ReplayOutcome replay(const std::vector<SnapshotEvent>& ev, const std::vector<std::pair<uint64_t, LiveBlock>>& initial,
+ReplayOutcome replay(const std::deque<SnapshotEvent>& ev, const std::vector<std::pair<uint64_t, LiveBlock>>& initial,
                      bool use_completed, const AllocatorConfig& config, int64_t device) {
   // A device large enough for the trace, which it never fills (the policy sizes the address space
   // of expandable segments from it): nothing is refused for want of memory.
@@ -219,7 +219,7 @@ ReplayOutcome replay(const std::vector<SnapshotEvent>& ev, const std::vector<std
 
 class DeviceAnalyzer {
  public:
-  DeviceAnalyzer(const MemorySnapshot& s, int64_t device, const std::vector<SnapshotEvent>& ev, Sites& sites,
+  DeviceAnalyzer(const MemorySnapshot& s, int64_t device, const std::deque<SnapshotEvent>& ev, Sites& sites,
                  const AnalyzeOptions& o, std::vector<std::string>& notes)
       : s_(s), ev_(ev), sites_(sites), o_(o), notes_(notes) {
     r_.device = device;
@@ -551,10 +551,10 @@ class DeviceAnalyzer {
     o.allocated = a;
     o.reserved = reserved_before(i);
     o.cached = std::max<int64_t>(0, o.reserved - a);
-    o.device_free = e.device_free;
+    o.device_free = e.device_free();
     CachingPolicy rounding;
     const int64_t segment = CachingPolicy::allocation_size(rounding.round_size(std::max<int64_t>(e.size, 1)));
-    o.shortfall = std::max<int64_t>(0, segment - std::max<int64_t>(0, e.device_free));
+    o.shortfall = std::max<int64_t>(0, segment - std::max<int64_t>(0, e.device_free()));
     o.live = group_live(live, sites_, 8);
     o.stack = sites_.label(sites_.info(e.stack).site);
     const int64_t it = iteration_of(i);
@@ -780,7 +780,7 @@ class DeviceAnalyzer {
   };
 
   const MemorySnapshot& s_;
-  const std::vector<SnapshotEvent>& ev_;
+  const std::deque<SnapshotEvent>& ev_;
   Sites& sites_;
   const AnalyzeOptions& o_;
   std::vector<std::string>& notes_;
@@ -818,7 +818,7 @@ SnapshotAnalysis analyze_snapshot(const MemorySnapshot& snapshot, const std::str
   for (const SnapshotSegment& s : snapshot.segments) devices.push_back(s.device);
   std::sort(devices.begin(), devices.end());
   devices.erase(std::unique(devices.begin(), devices.end()), devices.end());
-  static const std::vector<SnapshotEvent> kNone;
+  static const std::deque<SnapshotEvent> kNone;
   for (int64_t d : devices) {
     const auto& ev = d >= 0 && static_cast<size_t>(d) < snapshot.traces.size() ? snapshot.traces[d] : kNone;
     a.devices.push_back(DeviceAnalyzer(snapshot, d, ev, sites, options, a.notes).run());
