@@ -7,15 +7,19 @@
 //      leak verdict over iterations (memory/leak_detector.h's judge_growth) with the sites whose
 //      allocations outlive their iteration;
 //   10. fragmentation: reserved against allocated over time, inactive-split bytes per segment at the
-//      peak reserved, what empty_cache would return, and the trace replayed through the caching
-//      allocator's policy (memory/caching_policy.h) with expandable segments and with
-//      max_split_size_mb, each one's peak reserved;
+//      peak reserved (at its most used moment: the segment that makes a peak is empty until the
+//      allocation that follows it), what empty_cache would return, and the trace replayed through
+//      the caching allocator's policy (memory/caching_policy.h) as recorded, with expandable
+//      segments and with max_split_size_mb, each one's peak reserved;
 //   and for each OOM event: the request, what was live and cached, and the levers that would have
 //   avoided it with the bytes each frees.
 // "Allocated" is in requested bytes, as the trace records them (torch.cuda.memory_allocated()
-// counts blocks, rounded up to 512 bytes). The trace may start after the process did (PyTorch keeps
-// the last 100,000 events by default): the state at its start is the final state (the segments)
-// with the trace undone, and what was live then counts as "allocated before the trace began".
+// counts blocks, rounded up to 512 bytes); a live block's size in a segment is its request rounded
+// to 512 bytes (a large block's unsplit remainder of up to 1 MiB is counted as inactive split).
+// The trace may start after the process did (PyTorch keeps the last 100,000 events by default):
+// the totals at its start are the final state (the segments) with the trace undone; blocks the
+// segments still hold are live from the start with their own frames, and blocks the trace frees
+// without having allocated them are "allocated before the trace began".
 // Cost: time linear in the events (the replays are skipped above AnalyzeOptions::replay_limit);
 // memory a small multiple of the live blocks.
 #pragma once
