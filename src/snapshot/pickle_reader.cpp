@@ -71,7 +71,7 @@ class Source {
     base_ += end_;
     pos_ = end_ = 0;
     const size_t n = std::fread(buffer_.data(), 1, buffer_.size(), file_);
-    if (n == 0 && std::ferror(file_)) throw Error(fmt::format("cannot read the pickle: {}", std::strerror(errno)));
+    if (n == 0 && std::ferror(file_)) throw PickleError(offset(), fmt::format("cannot read: {}", std::strerror(errno)));
     data_ = buffer_.data();
     end_ = n;
     return n > 0;
@@ -596,7 +596,11 @@ PickleDocument read_pickle(std::FILE* file, const std::string& name, PickleSink*
   try {
     PickleParser(in, doc, sink).run();
   } catch (const PickleError& e) {
-    throw PickleError(e.offset(), e.detail(), name);
+    // Failing on its first opcode, the file is most likely no pickle at all: say what one looks like.
+    const bool first = e.offset() == 0 && e.detail().find("protocol") == std::string::npos &&
+                       e.detail().find("cannot read") == std::string::npos && e.detail().find("empty") == std::string::npos;
+    throw PickleError(e.offset(), first ? e.detail() + " (not a pickle? one of protocol 2 or later starts with 0x80)" : e.detail(),
+                      name);
   }
   return doc;
 }
