@@ -229,6 +229,9 @@ def scenario(name, iterations=8, target_bytes=0):
     if name in ("training", "leak", "oom"):
         for i in range(iterations):
             m.iteration(r, leak=(name == "leak"))
+        if name == "training":  # the loop over, the program empties the cache: segment_free events
+            facts["emptied"] = sum(s[0] for s in r.segments.values() if not s[2])
+            r.empty_cache()
         if name == "leak":
             facts.update({"leak_site": "train.py:77 in remember", "leak_bytes_per_iteration": 4 * MiB})
         if name == "oom":

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include "snapshot/analysis_html.h"
@@ -80,6 +81,14 @@ TEST(SnapshotAnalysis, ATrainingLoopItsPeaksWhatWasLiveAndItsIterations) {
   EXPECT_FALSE(d.leak.detected) << d.leak.reason;
   EXPECT_TRUE(d.ooms.empty());
   EXPECT_LE(d.timeline.size(), 400u);
+  // The documented event kinds, each read as its own action; the cache emptied at the end.
+  const MemorySnapshot snap = read_memory_snapshot(g.path);
+  std::set<std::string> actions;
+  for (const SnapshotEvent& e : snap.traces.at(0)) actions.insert(snapshot_action_name(e.action));
+  EXPECT_EQ(actions, (std::set<std::string>{"alloc", "free_requested", "free_completed", "segment_alloc",
+                                            "segment_free", "snapshot"}));
+  ASSERT_GT(g.facts["emptied"].get<int64_t>(), 0);
+  EXPECT_EQ(d.reserved_at_end, d.peak_reserved - g.facts["emptied"].get<int64_t>());
 }
 
 TEST(SnapshotAnalysis, APlantedLeakIsFoundWithItsSiteAndRate) {
