@@ -70,8 +70,8 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
         pending.written = true;
         if (!cfg.quiet) fmt::print(stderr, "doctor: report written to {}\n", pending.path);
         if (!cfg.quiet && !r.snapshot.empty()) {
-          fmt::print(stderr, "doctor: PyTorch memory snapshot written to {} (open in pytorch.org/memory_viz)\n",
-                     r.snapshot);
+          fmt::print(stderr, "doctor: PyTorch memory snapshot written to {} (headroom analyze {} diagnoses it)\n",
+                     r.snapshot, r.snapshot);
         }
       }
       if (cfg.json) {

@@ -201,7 +201,7 @@ std::string report_html(const DoctorReport& r) {
     html += "<p>Memory through each phase of those steps:</p>\n" + timeline_svg(r) + "\n";
     if (!r.snapshot.empty()) {
       html += "<p>PyTorch's memory snapshot of these steps: <code>" + escape(r.snapshot) +
-              "</code> (open it in pytorch.org/memory_viz).</p>\n";
+              "</code> (diagnose it with <code>headroom analyze</code>, or open it in pytorch.org/memory_viz).</p>\n";
     }
   } else {
     html += "<p id=\"plan\" class=\"bad\">" + escape(r.plan_note) + "</p>\n";
