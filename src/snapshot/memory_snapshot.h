@@ -11,6 +11,9 @@
 // each frame {"filename", "line", "name"}. Keys it does not know are ignored; a missing
 // "device_traces" (history was not recorded) leaves the traces empty; a missing required key or a
 // value of the wrong type is an Error naming where ("device_traces[0][17].size: expected an int").
+// Refused too, as no snapshot has them: byte counts above 2^48, records of more than 64 keys, a
+// list shared by reference between segments or traces, an event repeated in a trace, more than
+// 65,536 streams.
 // Frames and stack traces are interned: events that share a traceback share one stack, whether the
 // pickle shares the list (PyTorch's, through the memo) or repeats it, so memory stays within a small
 // multiple of the file's size however the file is built.

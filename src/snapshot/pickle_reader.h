@@ -18,9 +18,9 @@
 //
 // Safety: input is read in 1 MiB pieces, never trusted for a size: a declared length is read as the
 // bytes arrive (a 2^60-byte string in a 100-byte file fails as truncated, having allocated ~100
-// bytes), the memo grows only as far as the input could have filled it, and parsing is one loop with
-// an explicit stack (no recursion). Memory is bounded by a small multiple of the input size; time is
-// linear in it. Memo references may make a value shared or even cyclic (a list that holds itself):
+// bytes), the memo grows only as far as the input could have filled it, marks nest 100,000 deep at
+// most, and parsing is one loop with an explicit stack (no recursion). Memory stays under 16 times
+// the input read (plus 64 MiB): a pickle built to expand further is stopped. Time is linear in it. Memo references may make a value shared or even cyclic (a list that holds itself):
 // readers of a document walk it by a schema, never blindly.
 //
 // The result is a PickleDocument: values as tagged 64-bit references into compact tables (small ints
