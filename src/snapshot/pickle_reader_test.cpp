@@ -125,24 +125,24 @@ TEST(PickleReader, ProtocolZeroNumbersListsAndTheTextMemo) {
   EXPECT_EQ(int_at(d, d.root(), 6), 0);
 }
 
+// The one-line message a file is refused with ("" if it is read).
+std::string refusal(const std::string& path) {
+  try {
+    read_pickle_file(path);
+  } catch (const PickleError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 TEST(PickleReader, BytesBeforeProtocolThreeAreACallAndRefused) {
   TempDir dir;
-  try {
-    read_pickle_file(python_pickle(dir, 2, "value = [b'x']\n"));
-    FAIL() << "accepted a GLOBAL";
-  } catch (const PickleError& e) {
-    EXPECT_NE(std::string(e.what()).find("GLOBAL"), std::string::npos) << e.what();
-  }
+  EXPECT_NE(refusal(python_pickle(dir, 2, "value = [b'x']\n")).find("GLOBAL"), std::string::npos);
 }
 
 TEST(PickleReader, ProtocolZeroTextStringsAreOutsideTheSubset) {
   TempDir dir;
-  try {
-    read_pickle_file(python_pickle(dir, 0, "value = ['a']\n"));
-    FAIL() << "accepted protocol 0's UNICODE opcode";
-  } catch (const PickleError& e) {
-    EXPECT_NE(std::string(e.what()).find("UNICODE"), std::string::npos) << e.what();
-  }
+  EXPECT_NE(refusal(python_pickle(dir, 0, "value = ['a']\n")).find("UNICODE"), std::string::npos);
 }
 
 // Byte by byte, as pickletools documents the opcodes.

@@ -440,11 +440,15 @@ class DeviceAnalyzer {
     LiveMap live;
     live.reserve(1024);
     std::unordered_set<uint64_t> allocated_in_trace, segment_made;
-    std::map<uint64_t, std::pair<int64_t, bool>> segs;         // address -> size, expandable
+    std::map<uint64_t, std::pair<int64_t, bool>> segs;  // address -> size, expandable
+    std::vector<std::pair<uint64_t, LiveBlock>> freed_first;  // freed before (or without) being allocated
     {
       std::unordered_set<uint64_t> seen;
       for (const SnapshotEvent& e : ev_) {
         if (e.action == SnapshotAction::alloc) allocated_in_trace.insert(e.address);
+        if (is_free(e.action, use_completed_) && !allocated_in_trace.count(e.address)) {
+          freed_first.push_back({e.address, {e.size, kBeforeTraceStack, -1, e.stream}});
+        }
         if (adds_reserved(e.action)) segment_made.insert(e.address);
         if (drops_reserved(e.action) && !segment_made.count(e.address) && seen.insert(e.address).second) {
           segs[e.address] = {e.size, e.action == SnapshotAction::segment_unmap};
@@ -461,16 +465,7 @@ class DeviceAnalyzer {
         live[b.address] = {b.requested, b.stack, -1, seg.stream};
       }
     }
-    {
-      std::unordered_set<uint64_t> allocated;
-      for (const SnapshotEvent& e : ev_) {
-        if (e.action == SnapshotAction::alloc) {
-          allocated.insert(e.address);
-        } else if (is_free(e.action, use_completed_) && !allocated.count(e.address) && !live.count(e.address)) {
-          live[e.address] = {e.size, kBeforeTraceStack, -1, e.stream};
-        }
-      }
-    }
+    for (const auto& [addr, b] : freed_first) live.try_emplace(addr, b);
     for (const auto& [addr, b] : live) initial_.emplace_back(addr, b);
 
     const int64_t n = static_cast<int64_t>(ev_.size());
