@@ -1,8 +1,9 @@
 # headroom's two entry points (see README): `make run` and `make test`. Both install what they need.
+# `make check` is the fast tier of the tests (CTest label fast), for the edit-build-test loop.
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: setup configure build run test bench clean
+.PHONY: setup configure build run test check bench clean
 
 setup:
 	@bash scripts/setup >/dev/null
@@ -19,6 +20,9 @@ run: build
 
 test: build
 	cd $(BUILD) && ctest -j $(JOBS) --output-on-failure
+
+check: build
+	cd $(BUILD) && ctest -j $(JOBS) --output-on-failure -L '^fast$$'
 
 bench: build
 	@for b in $(BUILD)/bench_*; do echo "== $$b"; $$b; done

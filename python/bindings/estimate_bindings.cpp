@@ -24,10 +24,9 @@ namespace {
 RunConfig run_config(const std::map<std::string, std::string>& flags) {
   RunConfig c;
   for (const auto& [name, value] : flags) {
-    const auto& fields = run_fields();
-    const auto it = std::find_if(fields.begin(), fields.end(), [&](const RunField& f) { return f.key == name; });
-    if (it == fields.end()) fail("unknown setting '{}'", name);
-    it->set(c, value);
+    const RunField* field = find_run_field(name);
+    if (field == nullptr) fail("unknown setting '{}'", name);
+    field->set(c, value);
   }
   validate(c);
   return c;

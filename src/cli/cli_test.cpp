@@ -26,9 +26,11 @@ struct Result {
   std::string err;
 };
 
-Result run(const std::string& args) {
+// `env`: variable assignments for the command's environment ("NAME=value ...", shell-quoted).
+Result run(const std::string& args, const std::string& env = "") {
   TempDir dir;
-  const std::string cmd = std::string(HEADROOM_BINARY) + " " + args + " 2>" + dir.file("err") + " </dev/null";
+  const std::string cmd =
+      (env.empty() ? "" : "env " + env + " ") + HEADROOM_BINARY + " " + args + " 2>" + dir.file("err") + " </dev/null";
   Result r;
   FILE* pipe = ::popen(cmd.c_str(), "r");
   std::array<char, 4096> buf{};
@@ -50,6 +52,38 @@ void expect_usage_error(const std::string& args, const std::string& says) {
   EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
   EXPECT_EQ(lines(r.err), 1u) << "one line, no stack trace: " << r.err;
   EXPECT_THAT(r.err, HasSubstr(says)) << args;
+}
+
+// A bad allocator setting in the environment is bad input, stopped before LibTorch loads (whose
+// CUDA library aborts on some while it is loaded, and refuses others at its first allocation).
+TEST(Cli, ABadAllocatorSettingInTheEnvironmentIsBadInput) {
+  struct Case {
+    std::string env, says;
+    bool lists_keys = false;  // a wrong key: the message lists the accepted ones
+  };
+  for (const Case& c : std::vector<Case>{
+           {"PYTORCH_CUDA_ALLOC_CONF=garbage", "PYTORCH_CUDA_ALLOC_CONF: option 'garbage' has no value", true},
+           {"PYTORCH_ALLOC_CONF=expandable_segments:True,foo:1", "PYTORCH_ALLOC_CONF: unknown option 'foo'", true},
+           {"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:abc", "max_split_size_mb 'abc' is not a non-negative"},
+           {"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:yes", "expandable_segments 'yes': accepted: True or False"},
+       }) {
+    const Result r = run("estimate --model tiny --json", "'" + c.env + "'");
+    EXPECT_EQ(r.code, 2) << c.env << "\n" << r.err;
+    EXPECT_EQ(lines(r.err), 1u) << "one line, no backtrace: " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.says)) << c.env;
+    if (c.lists_keys) {
+      EXPECT_THAT(r.err, HasSubstr("max_split_size_mb, max_non_split_rounding_mb")) << r.err;
+    }
+    const auto j = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r.out;
+    EXPECT_EQ(j.value("exit_code", 0), 2);
+  }
+  // What PyTorch accepts runs, including what headroom's model of the allocator leaves alone.
+  for (const char* env : {"PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync", "PYTORCH_CUDA_ALLOC_CONF=large_segment_size_mb:64",
+                          "PYTORCH_ALLOC_CONF=expandable_segments:True,pinned_num_register_threads:4"}) {
+    const Result r = run("estimate --model tiny --device cpu", std::string("'") + env + "'");
+    EXPECT_EQ(r.code, 0) << env << "\n" << r.err;
+  }
 }
 
 TEST(Cli, BadInputGivesOneLineAndExitCode2) {

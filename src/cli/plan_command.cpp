@@ -25,12 +25,21 @@ struct PlanOptions {
   bool allow_optimizer_change = false;
   bool calibrate = true;
   int64_t top = 10;
-  std::string emit;  // "hf" or "torch": the best plan as settings to paste
+  std::string emit;  // "hf", "torch" or "toml": the best plan as settings to paste
 };
 
-// The best plan as the settings --emit names, as Python source.
-std::string emitted(const RunConfig& cfg, const PlanOptions& o, const Plan& best) {
+// The best plan as the settings --emit names: Python source, or a run file.
+std::string emitted(const RunConfig& cfg, const PlanOptions& o, const Plan& best, int64_t budget) {
   if (o.emit == "hf") return training_arguments_code(best);
+  if (o.emit == "toml") {
+    // A run file for `headroom train --config`: the plan on the model and budget planned for, the
+    // sequences per step kept; the planner's own outputs (--json, --quiet) are not the run's.
+    RunConfig run = with_plan(cfg, best);
+    run.json = run.quiet = false;
+    run.memory_budget = budget;
+    return run_toml(run, RunConfig{}, {"model", "seq", "batch", "accum", "precision", "checkpointing", "attention",
+                                        "optimizer", "memory-budget"});
+  }
   return torch_loop_code(best, resolve_device(cfg.device).is_cuda() ? "cuda" : "cpu");
 }
 
@@ -107,8 +116,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
   cmd->add_flag("!--no-calibrate", o->calibrate, "rank by FLOPs alone, without timing steps on this machine");
   cmd->add_option("--emit", o->emit,
                   "also print the best plan as settings to paste: hf (transformers TrainingArguments and\n"
-                  "from_pretrained arguments) or torch (a plain loop: accumulation, autocast, checkpointing)")
-      ->check(CLI::IsMember({"hf", "torch"}));
+                  "from_pretrained arguments), torch (a plain loop: accumulation, autocast, checkpointing) or\n"
+                  "toml (a run file for headroom train --config)")
+      ->check(CLI::IsMember({"hf", "torch", "toml"}));
   cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all)")->check(CLI::Range(1, 100000));
   cmd->callback([config, o, &run] {
     run = [config, o]() -> int {
@@ -121,7 +131,7 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         j["global_batch"] = o->global_batch;
         j["budget_bytes"] = r.budget;
         if (!o->emit.empty() && !result.plans.empty()) {
-          j["emit"] = {{"format", o->emit}, {"code", emitted(cfg, *o, result.plans.front())}};
+          j["emit"] = {{"format", o->emit}, {"code", emitted(cfg, *o, result.plans.front(), r.budget)}};
           if (o->emit == "hf") j["emit"]["settings"] = training_arguments(result.plans.front());
         }
         fmt::print("{}\n", dump_json(j));
@@ -147,8 +157,10 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         }
         if (!o->emit.empty()) {
           fmt::print("\nThe fastest plan, {}:\n\n{}",
-                     o->emit == "hf" ? "for transformers' Trainer" : "in a plain PyTorch loop",
-                     emitted(cfg, *o, result.plans.front()));
+                     o->emit == "hf"      ? "for transformers' Trainer"
+                     : o->emit == "toml" ? "as a run file for headroom train --config"
+                                         : "in a plain PyTorch loop",
+                     emitted(cfg, *o, result.plans.front(), r.budget));
         }
       }
       return 0;

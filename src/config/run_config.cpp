@@ -4,9 +4,13 @@
 #include <fmt/ranges.h>
 #include <toml++/toml.h>
 
+#include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "memory/allocator_config.h"
 #include "util/error.h"
@@ -55,26 +59,41 @@ LeakInjection parse_leak_injection(const std::string& text) {
   fail("--inject-leak '{}': accepted: keep-graph, keep-outputs", text);
 }
 
+using Texts = std::vector<std::string>;
+
 RunField integer(std::string key, std::string help, int64_t RunConfig::*member) {
   return {key, Kind::integer, std::move(help),
-          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_int(key, s); }};
+          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_int(key, s); },
+          [member](const RunConfig& c) { return Texts{std::to_string(c.*member)}; }};
 }
 RunField number(std::string key, std::string help, double RunConfig::*member) {
   return {key, Kind::number, std::move(help),
-          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_number(key, s); }};
+          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_number(key, s); },
+          // {} is the shortest text that reads back to the same double
+          [member](const RunConfig& c) { return Texts{fmt::format("{}", c.*member)}; }};
 }
 RunField text(std::string key, std::string help, std::string RunConfig::*member) {
-  return {key, Kind::text, std::move(help), [member](RunConfig& c, const std::string& s) { c.*member = s; }};
+  return {key, Kind::text, std::move(help), [member](RunConfig& c, const std::string& s) { c.*member = s; },
+          [member](const RunConfig& c) { return Texts{c.*member}; }};
 }
-// A setting with named values, parsed once into its type.
-template <typename T>
-RunField choice(std::string key, std::string help, T RunConfig::*member, T (*parse)(const std::string&)) {
+// A setting with named values, parsed once into its type and written back by its name.
+template <typename T, typename Name>
+RunField choice(std::string key, std::string help, std::type_identity_t<T RunConfig::*> member,
+                T (*parse)(const std::string&), Name name) {
   return {key, Kind::text, std::move(help),
-          [member, parse](RunConfig& c, const std::string& s) { c.*member = parse(s); }};
+          [member, parse](RunConfig& c, const std::string& s) { c.*member = parse(s); },
+          [member, name](const RunConfig& c) { return Texts{std::string(name(c.*member))}; }};
 }
 RunField flag(std::string key, std::string help, bool RunConfig::*member) {
   return {key, Kind::flag, std::move(help),
-          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_bool(key, s); }};
+          [key, member](RunConfig& c, const std::string& s) { c.*member = parse_bool(key, s); },
+          [member](const RunConfig& c) { return Texts{c.*member ? "true" : "false"}; }};
+}
+
+AllocatorKind parse_allocator_kind(const std::string& s) {
+  if (s == "counting") return AllocatorKind::counting;
+  if (s == "caching") return AllocatorKind::caching;
+  fail("--allocator '{}': accepted: counting or caching", s);
 }
 
 }  // namespace
@@ -88,7 +107,8 @@ const std::vector<RunField>& run_fields() {
   static const std::vector<RunField> fields = {
       text("model", "model: a preset (tiny, small, gpt2, llama-3.2-1b, ...) or a config.json path", &RunConfig::model),
       {"set", Kind::list, "override a model config field, key=value (repeatable)",
-       [](RunConfig& c, const std::string& s) { c.overrides.push_back(s); }},
+       [](RunConfig& c, const std::string& s) { c.overrides.push_back(s); },
+       [](const RunConfig& c) { return c.overrides; }},
       text("data", "training text file, up to 1 GiB (default: the bundled corpus); byte-level tokens",
            &RunConfig::data),
       integer("steps", "optimizer steps to train (total, counting resumed ones)", &RunConfig::steps),
@@ -98,12 +118,13 @@ const std::vector<RunField>& run_fields() {
       number("lr", "peak learning rate", &RunConfig::lr),
       number("min-lr-ratio", "cosine schedule ends at lr * this", &RunConfig::min_lr_ratio),
       integer("warmup", "linear warm-up steps (default: 5% of --steps)", &RunConfig::warmup),
-      choice("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer, &parse_optimizer),
+      choice("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer, &parse_optimizer,
+             &optimizer_name),
       choice("optimizer-impl",
              "estimate, plan: whose optimizer update to predict: headroom (its trainer's, in place) or torch "
              "(torch.optim's default, as a Python script runs it: a new tensor for the denominator of each "
              "parameter on cpu, of all parameters at once on cuda)",
-             &RunConfig::optimizer_impl, &parse_optimizer_impl),
+             &RunConfig::optimizer_impl, &parse_optimizer_impl, &optimizer_impl_name),
       number("weight-decay",
              "weight decay on matrices, as PyTorch's optimizer of that name applies it (default: 0.1 for "
              "adamw, 0 for the others)",
@@ -114,35 +135,30 @@ const std::vector<RunField>& run_fields() {
          const int64_t v = parse_int("seed", s);
          if (v < 0) fail("--seed must be non-negative, got {}", v);
          c.seed = static_cast<uint64_t>(v);
-       }},
+       },
+       [](const RunConfig& c) { return Texts{std::to_string(c.seed)}; }},
       text("device", "auto (cuda when present), cpu, cuda or cuda:N", &RunConfig::device),
       integer("threads",
               "cpu intra-op threads (default: OMP_NUM_THREADS, else the cores not busy with other work, from the "
               "load average; pin it for bit-identical runs across machines and loads)",
               &RunConfig::threads),
       choice("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)", &RunConfig::attention,
-             &parse_attention_path),
+             &parse_attention_path, &attention_path_name),
       choice("precision", "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling) or bf16 (pure)",
-             &RunConfig::precision, &parse_precision),
+             &RunConfig::precision, &parse_precision, &precision_name),
       choice("checkpointing", "activation checkpointing: none, selective (attention), full (every layer) or every:K",
-             &RunConfig::checkpointing, &parse_checkpoint_policy),
+             &RunConfig::checkpointing, &parse_checkpoint_policy,
+             [](const CheckpointPolicy& k) { return k.name(); }),
       {"memory-budget", Kind::text,
        "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
        "below the card",
-       [](RunConfig& c, const std::string& s) { c.memory_budget = parse_budget(s); }},
-      {"allocator", Kind::text,
-       "cpu memory: counting (default; the budget caps live bytes) or caching (PyTorch's CUDA caching allocator "
-       "reproduced: reserved memory, fragmentation, empty_cache; the budget caps reserved bytes, as a card does). "
-       "cuda always uses PyTorch's",
-       [](RunConfig& c, const std::string& s) {
-         if (s == "counting") {
-           c.allocator = AllocatorKind::counting;
-         } else if (s == "caching") {
-           c.allocator = AllocatorKind::caching;
-         } else {
-           fail("--allocator '{}': accepted: counting or caching", s);
-         }
-       }},
+       [](RunConfig& c, const std::string& s) { c.memory_budget = parse_budget(s); },
+       [](const RunConfig& c) { return c.memory_budget ? Texts{format_size(*c.memory_budget)} : Texts{}; }},
+      choice("allocator",
+             "cpu memory: counting (default; the budget caps live bytes) or caching (PyTorch's CUDA caching allocator "
+             "reproduced: reserved memory, fragmentation, empty_cache; the budget caps reserved bytes, as a card "
+             "does). cuda always uses PyTorch's",
+             &RunConfig::allocator, &parse_allocator_kind, &allocator_kind_name),
       {"allocator-conf", Kind::text,
        "caching allocator settings in PYTORCH_CUDA_ALLOC_CONF's syntax, e.g. expandable_segments:True or "
        "max_split_size_mb:128,garbage_collection_threshold:0.8 (default: the environment's PYTORCH_ALLOC_CONF or "
@@ -150,7 +166,8 @@ const std::vector<RunField>& run_fields() {
        [](RunConfig& c, const std::string& s) {
          parse_allocator_config(s, "--allocator-conf");  // refused here, with the option named
          c.allocator_conf = s;
-       }},
+       },
+       [](const RunConfig& c) { return Texts{c.allocator_conf}; }},
       text("memory-snapshot",
            "write the allocator's memory snapshot (open in pytorch.org/memory_viz) to FILE: cuda, or cpu with "
            "--allocator caching",
@@ -158,11 +175,12 @@ const std::vector<RunField>& run_fields() {
       {"inject-oom", Kind::text,
        "cpu testing aid: fail an allocation as if out of memory, STEP:N (the N-th of step STEP) or "
        "STEP:above:SIZE (its first allocation larger than SIZE); @RANK: on that rank only (torchrun)",
-       [](RunConfig& c, const std::string& s) { c.inject_oom = parse_oom_injection(s); }},
+       [](RunConfig& c, const std::string& s) { c.inject_oom = parse_oom_injection(s); },
+       [](const RunConfig& c) { return c.inject_oom ? Texts{c.inject_oom->text()} : Texts{}; }},
       choice("inject-leak",
              "plant a leak, for the leak detector: keep-graph (losses summed without detaching, backward told to "
              "retain the graph) or keep-outputs (each step's logits kept)",
-             &RunConfig::inject_leak, &parse_leak_injection),
+             &RunConfig::inject_leak, &parse_leak_injection, &leak_injection_name),
       text("metrics", "write one JSON object per optimizer step to this JSONL file", &RunConfig::metrics),
       text("checkpoint", "save checkpoints (atomically) into this directory", &RunConfig::checkpoint),
       integer("checkpoint-every", "also checkpoint every N steps (0: only at the end)", &RunConfig::checkpoint_every),
@@ -180,7 +198,8 @@ const std::vector<RunField>& run_fields() {
        [](RunConfig& c, const std::string& s) {
          if (s != "auto") fail("--plan '{}': accepted: auto", s);
          c.plan_auto = true;
-       }},
+       },
+       [](const RunConfig& c) { return c.plan_auto ? Texts{"auto"} : Texts{}; }},
       flag("no-guard",
            "turn the OOM guard off: by default an OOM in a step re-runs it with half the micro-batch and "
            "twice the accumulation (same data), down to micro-batch 1",
@@ -189,7 +208,7 @@ const std::vector<RunField>& run_fields() {
              "under torchrun: none (data parallel), optimizer (ZeRO-1: optimizer state split over the ranks), "
              "gradients (ZeRO-2: gradients too) or full (ZeRO-3: weights too, gathered a layer at a time); --batch "
              "is per rank, the global batch is batch x accum x ranks",
-             &RunConfig::shard, &parse_shard_level),
+             &RunConfig::shard, &parse_shard_level, &shard_level_name),
       integer("world-size",
               "data-parallel ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, "
               "else 1); under torchrun it must equal the ranks launched",
@@ -202,6 +221,92 @@ const std::vector<RunField>& run_fields() {
       flag("quiet", "no progress lines on stderr", &RunConfig::quiet),
   };
   return fields;
+}
+
+const RunField* find_run_field(const std::string& key) {
+  for (const RunField& f : run_fields()) {
+    if (f.key == key) return &f;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> run_args(const RunConfig& config, const RunConfig& base,
+                                  const std::vector<std::string>& always) {
+  std::vector<std::string> out;
+  for (const RunField& f : run_fields()) {
+    const Texts value = f.get(config);
+    const bool forced = std::find(always.begin(), always.end(), f.key) != always.end();
+    if (value == f.get(base) && !forced) continue;
+    const std::string flag = "--" + f.key;
+    if (f.kind == Kind::flag) {
+      out.push_back(value.front() == "true" ? flag : flag + "=false");
+      continue;
+    }
+    for (const std::string& v : value) out.insert(out.end(), {flag, v});
+  }
+  return out;
+}
+
+std::string shell_line(const std::vector<std::string>& args) {
+  std::string out;
+  for (const std::string& a : args) {
+    if (!out.empty()) out += ' ';
+    const bool plain = !a.empty() && std::all_of(a.begin(), a.end(), [](unsigned char ch) {
+      return std::isalnum(ch) || std::strchr("-_./:=,+@%", ch) != nullptr;
+    });
+    if (plain) {
+      out += a;
+      continue;
+    }
+    out += '\'';
+    for (char ch : a) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+    out += '\'';
+  }
+  return out;
+}
+
+std::string run_toml(const RunConfig& config, const RunConfig& base, const std::vector<std::string>& always) {
+  auto quoted = [](const std::string& s) {
+    std::string out = "\"";
+    for (unsigned char ch : s) {
+      if (ch == '"' || ch == '\\') {
+        out += '\\';
+        out += static_cast<char>(ch);
+      } else if (ch < 0x20 || ch == 0x7f) {
+        out += fmt::format("\\u{:04X}", ch);
+      } else {
+        out += static_cast<char>(ch);
+      }
+    }
+    return out + "\"";
+  };
+  std::string out;
+  for (const RunField& f : run_fields()) {
+    const Texts value = f.get(config);
+    const bool forced = std::find(always.begin(), always.end(), f.key) != always.end();
+    if (value == f.get(base) && !forced) continue;
+    std::string v;
+    switch (f.kind) {
+      case Kind::list: {
+        std::vector<std::string> items;
+        for (const std::string& item : value) items.push_back(quoted(item));
+        v = fmt::format("[{}]", fmt::join(items, ", "));
+        break;
+      }
+      case Kind::integer:
+      case Kind::flag: v = value.front(); break;
+      case Kind::number:  // TOML's float: with a point or an exponent, or an integer reads as one
+        v = value.front();
+        if (v.find_first_of(".eEni") == std::string::npos) v += ".0";
+        break;
+      case Kind::text:
+        if (value.empty()) continue;  // an optional unset where the base has one: not expressible
+        v = quoted(value.front());
+        break;
+    }
+    out += fmt::format("{} = {}\n", f.key, v);
+  }
+  return out;
 }
 
 void apply_toml_file(RunConfig& config, const std::string& path) {
@@ -218,10 +323,7 @@ void apply_toml_file(RunConfig& config, const std::string& path) {
   for (const auto& f : run_fields()) keys.push_back(f.key);
   for (const auto& [key, node] : table) {
     const std::string k(key.str());
-    const RunField* field = nullptr;
-    for (const auto& f : run_fields()) {
-      if (f.key == k) field = &f;
-    }
+    const RunField* field = find_run_field(k);
     if (field == nullptr) fail("--config {}: unknown key '{}'; accepted: {}", path, k, fmt::join(keys, ", "));
     auto scalar = [&](const toml::node& n) -> std::string {
       if (auto v = n.value<int64_t>(); v && n.is_integer()) return std::to_string(*v);

@@ -1,11 +1,15 @@
 // RunConfig — everything one `headroom train` run is told: model, data, schedule, levers, outputs.
 //
-// Typed: each setting is parsed once, where it enters (a flag or a TOML key, through the field
-// table), and printed by name only at output; the levers' settings are the enums and structs of
-// config/ (Precision, OptimizerKind, CheckpointPolicy, AttentionPath). Sources, in increasing precedence: the defaults
-// below, a TOML file (--config run.toml, keys named as the long flags: `steps = 200`, `set = ["num_hidden_layers=2"]`),
-// then command-line flags. The field table (run_fields) is the one list of settings; the CLI and the TOML reader both
-// use it, so a setting cannot exist in one and not the other.
+// Typed: each setting is parsed once, where it enters (a flag, a TOML key or a Python keyword
+// argument, through the field table), and printed by name only at output; the step's levers are
+// its StepSettings (config/step_settings.h), shared whole with the estimator's spec and the plan.
+// Sources, in increasing precedence: the defaults below, a TOML file (--config run.toml, keys named
+// as the long flags: `steps = 200`, `set = ["num_hidden_layers=2"]`), then command-line flags.
+//
+// The field table (run_fields) is the one list of settings. It reads them (the CLI's flags, the
+// TOML reader, the Python module's keyword arguments) and writes them back (run_args: a command
+// line, run_toml: a run file), so a setting cannot exist in one and not the other. A new setting is
+// its member here (or in StepSettings), its row in run_fields(), and the code that acts on it.
 #pragma once
 
 #include <cstdint>
@@ -14,11 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "config/attention_path.h"
-#include "config/checkpoint_policy.h"
-#include "config/optimizer_kind.h"
-#include "config/precision.h"
-#include "config/shard_level.h"
+#include "config/step_settings.h"
 
 namespace headroom {
 
@@ -47,27 +47,19 @@ enum class AllocatorKind {
 };
 const char* allocator_kind_name(AllocatorKind a);
 
-struct RunConfig {
+struct RunConfig : StepSettings {
   std::string model = "tiny";
   std::vector<std::string> overrides;  // --set key=value
   std::string data;                    // empty: the bundled corpus
   int64_t steps = 200;
-  int64_t batch = 8;  // micro-batch, sequences
-  int64_t accum = 1;  // micro-batches per optimizer step
-  int64_t seq = 128;
   double lr = 3e-3;
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   int64_t warmup = -1;        // steps; -1: 5% of --steps (at least 1)
-  OptimizerKind optimizer = OptimizerKind::adamw;
-  OptimizerImpl optimizer_impl = OptimizerImpl::headroom;  // estimate, plan: whose update to predict
   double weight_decay = -1;  // -1: 0.1 for adamw, 0 for the others
   double grad_clip = 1.0;    // max global grad norm; 0 turns clipping off
   uint64_t seed = 1234;
   std::string device = "auto";
   int64_t threads = 0;  // cpu intra-op threads; 0: the cores free now (device/device.h)
-  AttentionPath attention = AttentionPath::flash;
-  Precision precision = Precision::fp32;
-  CheckpointPolicy checkpointing;
   std::optional<int64_t> memory_budget;  // bytes; none: the device's own. cpu: a simulated device; cuda: a cap
   AllocatorKind allocator = AllocatorKind::counting;
   // The caching allocator's settings in PYTORCH_CUDA_ALLOC_CONF's syntax; empty: the environment's
@@ -85,9 +77,8 @@ struct RunConfig {
   int64_t eval_rows = 64;        // held-out windows per evaluation; 0: none
   bool plan_auto = false;        // --plan auto: choose the fastest plan that fits before training
   bool no_guard = false;         // OOM guard off: an OOM ends the run
-  // Data parallel (lever 6), when launched by torchrun: how the state is spread over the ranks, and
-  // how long a rank waits for the others (rendezvous, each collective) before giving up.
-  ShardLevel shard = ShardLevel::none;
+  // Data parallel (lever 6), when launched by torchrun (the shard level is a StepSettings): how long
+  // a rank waits for the others (rendezvous, each collective) before giving up.
   int64_t dist_timeout = 300;  // seconds
   int64_t world_size = 0;      // ranks to predict and plan for; 0: WORLD_SIZE's (torchrun), else 1
   // cuda: tag allocations with their step and phase so that TrainSummary::surviving names leak
@@ -103,16 +94,36 @@ struct RunConfig {
 };
 
 // One setting. kind says how its text is read; `set` parses and stores it, throwing Error with the
-// flag's name and what it accepts.
+// flag's name and what it accepts; `get` writes it back as the texts `set` reads to the same value
+// (one per item of a list, "true" or "false" for a flag, none for an optional that is unset).
 struct RunField {
   enum class Kind { integer, number, text, list, flag };
   std::string key;  // flag name without dashes, and TOML key
   Kind kind;
   std::string help;
   std::function<void(RunConfig&, const std::string&)> set;
+  std::function<std::vector<std::string>(const RunConfig&)> get;
 };
 
 const std::vector<RunField>& run_fields();
+
+// The field of `key`, or null.
+const RunField* find_run_field(const std::string& key);
+
+// The flags that turn `base` into `config`: "--key value" for every setting whose value differs,
+// in the table's order (a list's items each as "--set item", a flag as "--key"), and for the keys
+// in `always` even when equal. Sizes are written as sizes ("140MiB"). Parsed by the CLI on top of
+// `base`, they give `config` back.
+std::vector<std::string> run_args(const RunConfig& config, const RunConfig& base = {},
+                                  const std::vector<std::string>& always = {});
+
+// `args` as one line for a POSIX shell, each argument quoted where the shell would split or
+// expand it.
+std::string shell_line(const std::vector<std::string>& args);
+
+// `config` as a TOML run file (--config): the settings that differ from `base` and those in
+// `always`, one `key = value` a line, which apply_toml_file reads back to `config`.
+std::string run_toml(const RunConfig& config, const RunConfig& base = {}, const std::vector<std::string>& always = {});
 
 // Applies a TOML file's settings to `config`. Throws Error on a parse error (with line and column),
 // an unknown key (listing the accepted ones) or a bad value.

@@ -1,71 +1,26 @@
 #include "doctor/doctor.h"
 
-#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <unistd.h>
 #include <limits>
 #include <map>
 
 #include "device/cuda_adapter.h"
-#include "dist/local_ranks.h"
-#include "train/observers.h"
 #include "device/device.h"
 #include "memory/allocator_config.h"
 #include "memory/oom_report.h"
 #include "plan/cost_model.h"
 #include "plan/levers.h"
 #include "plan/oom_advice.h"
-#include "train/static_graph.h"
-#include "train/step.h"
 #include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/error.h"
-#include "util/files.h"
-#include "util/interrupt.h"
 #include "util/size.h"
 
 namespace headroom {
 namespace {
-
-struct TrialRun {
-  bool fits = false;
-  int64_t peak = 0;
-  double first_step_seconds = 0;
-  OomReport oom;
-  Breakdown breakdown;  // at the last step's peak (fitted runs)
-  TrainResult result;
-  std::vector<PhasePoint> timeline;
-};
-
-// `capped`: under the budget (an OOM ends it early, its figures a lower bound); otherwise on the
-// machine's own memory (cpu), so that the peak is the whole step's.
-TrialRun run_trial(const RunConfig& config, int64_t steps, bool capped = true, const std::string& snapshot = "") {
-  RunConfig c = as_trial(config, steps);
-  if (!capped) c.memory_budget.reset();
-  c.memory_snapshot = snapshot;
-  TrialRun t;
-  t.result = train(c);
-  throw_if_interrupted("during the doctor's trials");
-  t.fits = t.result.fits();
-  t.peak = t.result.peak_or_failure_bytes();
-  if (t.result.oom) t.oom = *t.result.oom;
-  if (!t.result.steps.empty()) t.first_step_seconds = t.result.steps.front().seconds;
-  for (const StepRecord& rec : t.result.steps) {
-    for (Phase p : kStepPhases) {
-      const PhaseMemory& m = rec.memory.phases[static_cast<size_t>(p) - 1];
-      if (!m.seen) continue;
-      t.timeline.push_back({rec.step, std::string(phase_name(p)), m.live_in, m.peak, m.live_out});
-      if (p == rec.memory.peak_phase) t.breakdown = m.at_peak;
-    }
-  }
-  return t;
-}
 
 std::string describe_run(const RunConfig& c) { return plan_of(c).describe(); }
 
@@ -81,118 +36,6 @@ int64_t largest_fitting_micro(const ModelConfig& model, const RunConfig& cfg, in
     if (static_cast<double>(estimate(model, train_spec(c)).peak_bytes) <= 0.95 * static_cast<double>(budget)) return m;
   }
   return 0;
-}
-
-// Lever 10 with a caching allocator (cuda, cpu caching), inside one run: two steps warm the cache,
-// empty_cache() returns what it can, and a third step shows what that cost: the blocks it reserves
-// again and its time against the warm step's.
-LeverTrial empty_cache_trial(const RunConfig& reference, int64_t budget) {
-  LeverTrial l{"empty-cache", "empty_cache()", true, false, 0, 0, 0, ""};
-  MadeRun made = make_run(as_trial(reference, 3));
-  if (!made.run) {
-    l.applies = false;
-    l.note = "not measured: the weights and optimizer state do not fit the budget";
-    return l;
-  }
-  Run& run = *made.run;
-  run.monitor->set_enabled(false);  // the allocator's own statistics measure it
-  using Clock = std::chrono::steady_clock;
-  auto sync = [&] {
-    if (run.device.is_cuda()) cuda_synchronize(run.device.index());
-  };
-  auto step = [&](int64_t i) {
-    sync();
-    const auto t0 = Clock::now();
-    StepOutcome out;
-    run_step(run, StepShape{i, reference.batch * reference.accum, reference.batch}, out);
-    sync();
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-  };
-  try {
-    step(0);
-    const double warm = step(1);
-    const AllocatorState before = *run.probe->allocator_state();
-    const auto t0 = Clock::now();
-    run.probe->empty_cache();
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    const AllocatorState after = *run.probe->allocator_state();
-    run.probe->reset_peak();
-    const double cold = step(2);
-    const AllocatorState end = *run.probe->allocator_state();
-    l.fits = end.peak_reserved <= budget;
-    l.peak_bytes = end.peak_reserved;
-    l.saving_bytes = before.reserved - after.reserved;
-    l.step_time_ratio = cold / warm;
-    l.note = fmt::format(
-        "returned {} of {} reserved in {:.1f} ms ({} still allocated); the step after it reserved up to {} again "
-        "(the peak shown is reserved bytes); it lowers what the process holds between steps, not the step's peak",
-        format_bytes(before.reserved - after.reserved), format_bytes(before.reserved), 1e3 * seconds,
-        format_bytes(after.allocated), format_bytes(end.peak_reserved));
-  } catch (const c10::OutOfMemoryError& e) {
-    l.note = "not measured: out of memory: " + first_line(e.what_without_backtrace());
-  }
-  return l;
-}
-
-// A caching allocator setting tried as a lever (lever 10): the configuration's step with it, its
-// peak reserved bytes against the configuration's own.
-LeverTrial allocator_setting_trial(const RunConfig& reference, const std::string& setting, int64_t reference_reserved,
-                                   int64_t budget, double reference_seconds) {
-  LeverTrial l{"allocator", setting, true, false, 0, 0, 0, ""};
-  // On top of the configuration's own settings (the flag's, else the environment's).
-  const std::string own = reference.allocator_conf.empty() ? allocator_config_from_environment() : reference.allocator_conf;
-  RunConfig c = reference;
-  c.allocator_conf = own.empty() ? setting : own + "," + setting;
-  const TrialRun t = run_trial(c, 2);
-  if (resolve_device(reference.device).is_cuda()) {
-    // Process-wide on cuda: back to the configuration's own settings for what follows.
-    cuda_set_allocator_settings(own.empty() ? "expandable_segments:False" : own);
-  }
-  const int64_t reserved = t.result.summary.peak_reserved_bytes.value_or(t.peak);
-  l.fits = t.fits && reserved <= budget;
-  l.peak_bytes = reserved;
-  l.saving_bytes = reference_reserved > 0 ? reference_reserved - reserved : 0;
-  l.step_time_ratio = t.fits && reference_seconds > 0 ? t.first_step_seconds / reference_seconds : 0;
-  l.note = t.fits ? fmt::format("peak reserved {} against {} without it (the peak shown is reserved bytes)",
-                                format_bytes(reserved), format_bytes(reference_reserved))
-                  : fmt::format("out of memory: {}", t.oom.message);
-  return l;
-}
-
-// Lever 7 on cuda: the step eager and as a replayed CUDA graph (train/static_graph.h).
-LeverTrial static_graph_trial(const RunConfig& reference, int64_t budget) {
-  LeverTrial l{"static graph", "CUDA graph of fwd+bwd", true, false, 0, 0, 0, ""};
-  constexpr int64_t kSteps = 4;
-  RunConfig c = as_trial(reference, kSteps);
-  c.memory_budget.reset();  // the card's own memory: both peaks are real ones, compared with the budget
-  try {
-    const StaticGraphTrial t = measure_static_graph(c, kSteps);
-    if (!t.captured) {
-      l.applies = false;
-      l.note = fmt::format("{} (eager: {:.2f} ms per step, peak reserved {})", t.failure, 1e3 * t.eager_step_seconds,
-                           format_bytes(t.eager_peak_reserved));
-      return l;
-    }
-    l.peak_bytes = t.graphed_peak_reserved;
-    l.saving_bytes = t.eager_peak_reserved - t.graphed_peak_reserved;
-    l.fits = t.graphed_peak_reserved <= budget;
-    l.step_time_ratio = t.graphed_step_seconds / t.eager_step_seconds;
-    l.note = fmt::format(
-        "peak and saving are reserved bytes against eager's {} (the graph's pool keeps its intermediates); "
-        "{:.2f} ms per step replayed vs {:.2f} ms eager; first loss {:.4f} replayed, {:.4f} eager",
-        format_bytes(t.eager_peak_reserved), 1e3 * t.graphed_step_seconds, 1e3 * t.eager_step_seconds,
-        t.graphed_first_loss, t.eager_first_loss);
-  } catch (const c10::OutOfMemoryError& e) {
-    l.applies = false;
-    l.note = "not measured: the eager step ran out of the card's memory: " + first_line(e.what_without_backtrace());
-  } catch (const Error& e) {
-    l.applies = false;
-    l.note = std::string("not measured: ") + e.what();
-  } catch (const c10::Error& e) {
-    l.applies = false;
-    l.note = "not measured: " + first_line(e.what_without_backtrace());
-  }
-  return l;
 }
 
 }  // namespace
@@ -494,65 +337,14 @@ class Diagnosis {
       c.shard = level;
       const std::string setting = fmt::format("2 ranks, --shard {}", shard_level_name(level));
       say("3/5 lever: data parallel, " + setting + " (this binary started twice)");
-      const std::string metrics = (std::filesystem::temp_directory_path() /
-                                   fmt::format("headroom-doctor-{}-{}.jsonl", ::getpid(), shard_level_name(level)))
-                                      .string();
-      LocalRanksResult res;
       try {
-        res = run_local_ranks(kRanks, trial_args(c, metrics));
+        r_.levers.push_back(
+            data_parallel_trial(c, kRanks, device_.is_cuda(), budget_, r_.measured_peak, reference_seconds_));
       } catch (const Error& e) {
         r_.levers.push_back({lever, setting, false, false, 0, 0, 0, std::string("not run: ") + e.what()});
         return;
       }
-      throw_if_interrupted("during the doctor's trials");
-      LeverTrial lt{lever, setting, true, false, 0, 0, 0,
-                    fmt::format("micro-batch {} x accum {} on each rank; peak per rank", c.batch, c.accum)};
-      const auto summary = nlohmann::json::parse(last_line(res.rank0_stdout), nullptr, false);
-      if (res.ok() && summary.is_object() && summary.contains("rank_peak_bytes")) {
-        lt.fits = true;
-        for (const int64_t p : summary.at("rank_peak_bytes").get<std::vector<int64_t>>()) {
-          lt.peak_bytes = std::max(lt.peak_bytes, p);
-        }
-        std::ifstream lines(metrics);
-        std::string first;
-        if (std::getline(lines, first) && reference_seconds_ > 0) {
-          const auto j = nlohmann::json::parse(first, nullptr, false);
-          if (j.is_object() && j.contains("seconds")) lt.step_time_ratio = j.at("seconds").get<double>() / reference_seconds_;
-        }
-      } else if (summary.is_object() && summary.contains("oom")) {
-        const auto& oom = summary.at("oom");
-        lt.peak_bytes = oom.value("in_use_bytes", int64_t{0}) + std::max<int64_t>(0, oom.value("requested_bytes", int64_t{0}));
-        lt.note += fmt::format("; out of memory on rank {}", oom.value("rank", nlohmann::json(0)).dump());
-      } else {
-        lt.applies = false;
-        lt.note = "not run: " + (res.first_error.empty() ? std::string("no result from rank 0") : res.first_error);
-        r_.levers.push_back(lt);
-        continue;
-      }
-      lt.saving_bytes = r_.measured_peak - lt.peak_bytes;
-      r_.levers.push_back(lt);
-      std::error_code ec;
-      std::filesystem::remove(metrics, ec);
-      std::filesystem::remove(rank_file(metrics, 1), ec);
     }
-  }
-
-  // `c` as the command line of a 2-step trial of it, with its metrics at `metrics`.
-  std::vector<std::string> trial_args(const RunConfig& c, const std::string& metrics) const {
-    std::vector<std::string> a = {"train", "--model", c.model};
-    for (const auto& o : c.overrides) a.insert(a.end(), {"--set", o});
-    if (!c.data.empty()) a.insert(a.end(), {"--data", c.data});
-    a.insert(a.end(), {"--device", device_.is_cuda() ? "cuda" : "cpu", "--seed", std::to_string(c.seed), "--seq",
-                       std::to_string(c.seq), "--batch", std::to_string(c.batch), "--accum", std::to_string(c.accum),
-                       "--precision", precision_name(c.precision), "--checkpointing", c.checkpointing.name(),
-                       "--attention", attention_path_name(c.attention), "--optimizer", optimizer_name(c.optimizer),
-                       "--allocator", allocator_kind_name(c.allocator), "--memory-budget",
-                       std::to_string(budget_), "--shard", shard_level_name(c.shard), "--steps", "2", "--eval-rows",
-                       "0", "--no-guard", "--quiet", "--json", "--metrics", metrics});
-    if (!c.allocator_conf.empty()) a.insert(a.end(), {"--allocator-conf", c.allocator_conf});
-    // Two ranks share the cores: one thread each on cpu.
-    if (!device_.is_cuda()) a.insert(a.end(), {"--threads", "1"});
-    return a;
   }
 
   // Levers 10 and 7: lever 10 measured with a caching allocator (cuda, cpu caching), lever 7 on cuda.
@@ -687,153 +479,6 @@ class Diagnosis {
 DoctorReport run_doctor(const RunConfig& given, int64_t budget, const std::function<void(const std::string&)>& progress,
                         bool thorough) {
   return Diagnosis(given, budget, progress, thorough).run();
-}
-
-nlohmann::json DoctorReport::to_json() const {
-  nlohmann::json levers_json = nlohmann::json::array();
-  for (const LeverTrial& l : levers) {
-    levers_json.push_back(
-        {{"lever", l.lever},
-         {"setting", l.setting},
-         {"applies", l.applies},
-         {"peak_bytes", l.applies ? nlohmann::json(l.peak_bytes) : nlohmann::json()},
-         {"saving_bytes", l.applies ? nlohmann::json(l.saving_bytes) : nlohmann::json()},
-         {"step_time_ratio", l.applies && l.fits ? nlohmann::json(l.step_time_ratio) : nlohmann::json()},
-         {"fits", l.fits},
-         {"measured", l.applies && l.measured},
-         {"note", l.note}});
-  }
-  nlohmann::json plan_json;
-  if (plan_found) {
-    plan_json = plan.to_json();
-    plan_json["verified_peak_bytes"] = verified_peak_bytes;
-    plan_json["verified"] = plan_verified;
-  }
-  nlohmann::json options_json = nlohmann::json::array();
-  for (const Plan& p : options) options_json.push_back(p.to_json());
-  return {{"model", {{"name", estimate.model}, {"params", estimate.params}}},
-          {"device", device},
-          {"budget_bytes", budget},
-          {"oom",
-           {{"happened", oom},
-            {"phase", oom ? nlohmann::json(oom_phase) : nlohmann::json()},
-            {"step", oom ? nlohmann::json(oom_step) : nlohmann::json()}}},
-          {"measured", measured.to_json()},
-          {"measured_peak_bytes", measured_peak},
-          {"estimate", estimate.to_json()["breakdown"]},
-          {"estimated_peak_bytes", estimate.peak_bytes},
-          {"leak", leak.to_json()},
-          {"fragmentation", fragmentation},
-          {"levers", levers_json},
-          {"fits_as_given", !oom},
-          {"plan", plan_json},
-          {"options", options_json},
-          {"plan_note", plan_note},
-          {"seconds", seconds}};
-}
-
-std::string DoctorReport::to_text() const {
-  std::string out;
-  out += fmt::format("headroom doctor: {} ({:.2f}M params) on {}, budget {}\n  as given: {}, seq {}\n\n",
-                     estimate.model, static_cast<double>(estimate.params) / 1e6, device, format_bytes(budget),
-                     describe_run(config), config.seq);
-  out += "1. What happened\n";
-  if (oom) {
-    out += oom_step == 0 ? std::string("   OUT OF MEMORY before the first step:\n")
-                         : fmt::format("   OUT OF MEMORY in {} of step {}:\n", oom_phase, oom_step);
-    // The facts and every category of what was in use (the largest is what to act on).
-    std::string text = oom_text;
-    size_t pos = 0;
-    for (int i = 0; i < 7 && pos < text.size(); ++i) {
-      const size_t nl = text.find('\n', pos);
-      out += "     " + text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos) + "\n";
-      if (nl == std::string::npos) break;
-      pos = nl + 1;
-    }
-  } else {
-    out += fmt::format("   it fits: peak {} of {}\n", format_bytes(measured_peak), format_bytes(budget));
-  }
-  const int64_t est_act = estimate.step_memory();
-  const bool partial = oom && !measured_whole_step;
-  out += fmt::format("   {:<34} {:>11} {:>11}\n",
-                     partial ? "at the failure / whole step"
-                             : (measured_whole_step ? "whole step, without the budget:" : "at the step's peak:"),
-                     "measured", "estimated");
-  auto row = [&](const char* name, int64_t m, int64_t e) {
-    out += fmt::format("   {:<34} {:>11} {:>11}\n", name, format_bytes(m), format_bytes(e));
-  };
-  row("weights", measured.weights, estimate.category(sim::Category::weights));
-  row("gradients", measured.gradients, estimate.category(sim::Category::gradients));
-  row("optimizer state", measured.optimizer, estimate.category(sim::Category::optimizer));
-  row("activations, logits, loss, temps", measured.activations, est_act);
-  row("other (data)", measured.other, estimate.category(sim::Category::other));
-  row(partial ? "total" : "peak", measured_peak, estimate.peak_bytes);
-  out += fmt::format("   the estimate's peak is in {}\n\n", phase_name(estimate.peak_phase));
-
-  out += "2. Leaks and fragmentation\n";
-  if (leak_run.empty()) {
-    out += "   leak: not checked\n";
-  } else {
-    out += fmt::format("   leak: {} ({})\n", leak.detected ? "DETECTED" : "none", leak_run);
-  }
-  out += "     " + leak.reason + "\n";
-  for (const LeakSite& s : leak.sites) out += "     - " + s.description + "\n";
-  out += "   fragmentation: " + fragmentation + "\n\n";
-
-  if (levers.empty()) {
-    out += "3. Levers: not tried\n";
-  } else {
-    out += fmt::format(
-        "3. Levers (step time relative to {}; \"run\": measured in a real step, \"est\": predicted by the "
-        "estimator and the cost model)\n",
-        reference.empty() ? "-" : reference);
-  }
-  if (!levers.empty()) {
-    out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5} {:>4}  {}\n", "lever", "setting", "peak", "saving",
-                       "time", "fits", "how", "note");
-  }
-  for (const LeverTrial& l : levers) {
-    if (!l.applies) {
-      out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5} {:>4}  {}\n", l.lever, l.setting, "-", "-", "-",
-                         "-", "-", l.note);
-      continue;
-    }
-    out += fmt::format("   {:<13} {:<26} {:>10} {:>10} {:>6} {:>5} {:>4}  {}\n", l.lever, l.setting,
-                       format_bytes(l.peak_bytes),
-                       (l.saving_bytes < 0 ? "-" : "") + format_bytes(std::abs(l.saving_bytes)),
-                       l.step_time_ratio > 0 ? fmt::format("{:.2f}x", l.step_time_ratio) : "-", l.fits ? "yes" : "NO",
-                       l.measured ? "run" : "est", l.note);
-  }
-  out += !oom ? "\n4. Plan: the configuration as given fits\n" : "\n4. Recommended plan\n";
-  if (plan_found) {
-    out += fmt::format("   {} ({})\n", plan.describe(), plan_note);
-    out += fmt::format("   predicted peak {}; trained for 2 steps: peak {} of {} — {}\n",
-                       format_bytes(plan.predicted_peak_bytes), format_bytes(verified_peak_bytes), format_bytes(budget),
-                       plan_verified ? "fits" : "DID NOT FIT");
-    std::string flags;
-    for (const auto& o : config.overrides) flags += " --set " + o;
-    if (!config.data.empty()) flags += " --data " + config.data;
-    if (config.allocator == AllocatorKind::caching) flags += " --allocator caching";
-    if (!config.allocator_conf.empty()) flags += " --allocator-conf '" + config.allocator_conf + "'";
-    out += fmt::format(
-        "   run it: headroom train --model {}{} --device {} --seed {} --seq {} --batch {} --accum {} "
-        "--precision {} --checkpointing {} --attention {} --optimizer {} --memory-budget {}\n",
-        config.model, flags, config.device, config.seed, config.seq, plan.batch, plan.accum,
-        precision_name(plan.precision), plan.checkpointing.name(), attention_path_name(plan.attention),
-        optimizer_name(plan.optimizer), budget);
-    if (!options.empty()) {
-      out += "   faster options that change the numerics (precision or optimizer), by the cost model:\n";
-      for (const Plan& p : options) {
-        out +=
-            fmt::format("     {}: {:.2f}x the step time of the plan above, predicted peak {}\n", p.describe(),
-                        p.predicted_step_seconds / plan.predicted_step_seconds, format_bytes(p.predicted_peak_bytes));
-      }
-    }
-  } else {
-    out += "   " + plan_note + "\n";
-  }
-  out += fmt::format("\n(diagnosed in {:.0f} s)\n", seconds);
-  return out;
 }
 
 }  // namespace headroom

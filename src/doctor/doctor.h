@@ -1,4 +1,4 @@
-// Doctor — the systematic diagnosis (PRODUCT.md, the main job): run the configuration, see what
+// Doctor — the systematic diagnosis (headroom's main job): run the configuration, see what
 // happens, and come back with an answer for each lever and a plan proven to fit, in time
 // proportional to what it has to find out.
 //
@@ -25,31 +25,13 @@
 #include <vector>
 
 #include "config/run_config.h"
+#include "doctor/trials.h"
 #include "estimate/estimator.h"
 #include "memory/leak_detector.h"
 #include "memory/memory_monitor.h"
 #include "plan/planner.h"
 
 namespace headroom {
-
-struct LeverTrial {
-  std::string lever;    // "accumulation", "precision", ...
-  std::string setting;  // "micro-batch 8 x accum 2", "bf16-mixed", ...
-  bool applies = true;  // false: the note says why not
-  bool fits = false;
-  int64_t peak_bytes = 0;      // measured (a failed trial: what was in use plus the request), or predicted
-  int64_t saving_bytes = 0;    // against the configuration as given
-  double step_time_ratio = 0;  // first step's time against the reference's; 0 when not measured
-  std::string note;
-  bool measured = true;  // false: peak and time are the estimator's and the cost model's predictions
-};
-
-// One point of the memory-over-time chart: live bytes entering a phase, its peak, leaving it.
-struct PhasePoint {
-  int64_t step = 0;
-  std::string phase;
-  int64_t live_in = 0, peak = 0, live_out = 0;
-};
 
 struct DoctorReport {
   RunConfig config;
@@ -82,7 +64,7 @@ struct DoctorReport {
   std::string snapshot;              // cuda: PyTorch's memory snapshot of the verification run
   double seconds = 0;
 
-  // PRODUCT.md's contract: {"oom": {"happened", "phase", "step"}, "measured": {...}, "estimate":
+  // The contract (doctor/report_text.cpp): {"oom": {"happened", "phase", "step"}, "measured": {...}, "estimate":
   // {...}, "leak": {"detected", "bytes_per_step", "sites"}, "levers": [...], "plan": {...}}.
   nlohmann::json to_json() const;
   std::string to_text() const;

@@ -20,12 +20,8 @@ namespace {
 
 std::string run_command(const std::string& command) { return testing::run_command(command).out; }
 
-TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
-  const RunConfig cfg = doctor_default();
-  const int64_t budget = *cfg.memory_budget;
-  ::setenv("HEADROOM_EXECUTABLE", HEADROOM_BINARY, 1);  // the ranks of lever 6 are the CLI, not this test binary
-  const DoctorReport r = run_doctor(cfg, budget, nullptr);
-
+// The default's naive setting: the OOM found, the whole step measured against the estimate, no leak.
+void expect_the_oom_found_and_measured(const DoctorReport& r, int64_t budget) {
   EXPECT_TRUE(r.oom) << "the default's naive setting must not fit";
   // "What happened" shows every category of what was in use, the largest (activations) included.
   EXPECT_THAT(r.to_text(), ::testing::ContainsRegex("in use by category:\n +weights .*\n +gradients .*\n +optimizer "
@@ -38,7 +34,15 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   EXPECT_NEAR(static_cast<double>(r.estimate.peak_bytes), static_cast<double>(r.measured_peak),
               0.03 * static_cast<double>(r.measured_peak));
   EXPECT_FALSE(r.leak.detected) << r.leak.reason;
+}
 
+// How many of the levers that apply were measured in a real step, and how many predicted.
+struct LeverCounts {
+  int measured = 0, predicted = 0;
+};
+
+// Every lever tried, each one's figures consistent with the budget.
+LeverCounts expect_each_lever_tried(const DoctorReport& r, int64_t budget) {
   bool saw[5] = {};
   int measured = 0, predicted = 0;
   for (const LeverTrial& l : r.levers) {
@@ -64,8 +68,12 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
     }
   }
   for (bool s : saw) EXPECT_TRUE(s);
-  // Lever 6: the configuration on 2 local ranks, half the rows each, for each shard level, run for
-  // real: each rank's peak below the one process's, and lower the more is sharded.
+  return {measured, predicted};
+}
+
+// Lever 6: the configuration on 2 local ranks, half the rows each, for each shard level, run for
+// real: each rank's peak below the one process's, and lower the more is sharded.
+void expect_data_parallel_measured_at_each_shard_level(const DoctorReport& r) {
   std::vector<int64_t> rank_peaks;
   for (const LeverTrial& l : r.levers) {
     if (l.lever != "data parallel") continue;
@@ -78,15 +86,17 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   EXPECT_GT(rank_peaks[0], rank_peaks[1]);
   EXPECT_GE(rank_peaks[1], rank_peaks[2]);
   EXPECT_GE(rank_peaks[2], rank_peaks[3]);  // the default's embeddings are small: slicing the layers pays
-  // On cpu the estimator predicts the levers and only those near the budget run for real.
-  EXPECT_GT(measured, 0);
-  EXPECT_GT(predicted, 0);
+}
 
+// The recommended plan trained under the budget, on the same global batch.
+void expect_the_plan_fits(const DoctorReport& r, const RunConfig& cfg, int64_t budget) {
   ASSERT_TRUE(r.plan_found) << r.plan_note;
   EXPECT_TRUE(r.plan_verified);
   EXPECT_LE(r.verified_peak_bytes, budget);
   EXPECT_EQ(r.plan.batch * r.plan.accum, cfg.batch * cfg.accum);
+}
 
+void expect_the_json_complete(const DoctorReport& r) {
   const nlohmann::json j = r.to_json();
   EXPECT_TRUE(j["oom"]["happened"].get<bool>());
   for (const char* key : {"measured", "estimate", "leak", "levers", "plan"}) EXPECT_TRUE(j.contains(key)) << key;
@@ -96,8 +106,10 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
       EXPECT_TRUE(l.contains(key)) << key;
     }
   }
+}
 
-  // The report renders in a real browser, with its charts.
+// The report renders in a real browser, with its charts.
+void expect_the_report_renders_in_chromium(const DoctorReport& r) {
   testing::TempDir dir;
   const std::string page = dir.file("report.html"), png = dir.file("report.png");
   {
@@ -118,6 +130,24 @@ TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
   const std::string data = bytes.str();
   ASSERT_GT(data.size(), 20'000u) << "a screenshot of the rendered page";
   EXPECT_EQ(data.substr(1, 3), "PNG");
+}
+
+// One doctor run (minutes), every check of it in turn; a fatal failure in one ends the test.
+TEST(Doctor, TheDefaultFindsTheOomTriesTheLeversAndItsPlanFits) {
+  const RunConfig cfg = doctor_default();
+  const int64_t budget = *cfg.memory_budget;
+  ::setenv("HEADROOM_EXECUTABLE", HEADROOM_BINARY, 1);  // the ranks of lever 6 are the CLI, not this test binary
+  const DoctorReport r = run_doctor(cfg, budget, nullptr);
+
+  ASSERT_NO_FATAL_FAILURE(expect_the_oom_found_and_measured(r, budget));
+  const LeverCounts counts = expect_each_lever_tried(r, budget);
+  ASSERT_NO_FATAL_FAILURE(expect_data_parallel_measured_at_each_shard_level(r));
+  // On cpu the estimator predicts the levers and only those near the budget run for real.
+  EXPECT_GT(counts.measured, 0);
+  EXPECT_GT(counts.predicted, 0);
+  ASSERT_NO_FATAL_FAILURE(expect_the_plan_fits(r, cfg, budget));
+  expect_the_json_complete(r);
+  expect_the_report_renders_in_chromium(r);
 }
 
 // A budget nothing can fit is said so at once: no lever trial, no plan, the smallest peak named.

@@ -125,19 +125,22 @@ std::string levers_svg(const DoctorReport& r) {
   return svg + "</svg>";
 }
 
-}  // namespace
-
-std::string report_html(const DoctorReport& r) {
-  std::string html = html_page_head("headroom doctor");
-  html += fmt::format("<h1>headroom doctor: {} on {}, budget {}</h1>\n", escape(r.estimate.model), escape(r.device),
-                      escape(format_bytes(r.budget)));
+// The title and the configuration as given.
+std::string page_heading(const DoctorReport& r) {
+  std::string html = fmt::format("<h1>headroom doctor: {} on {}, budget {}</h1>\n", escape(r.estimate.model),
+                                 escape(r.device), escape(format_bytes(r.budget)));
   html += fmt::format(
       "<p>As given: micro-batch {} × accum {} × seq {}, {}, {}, checkpointing {}, {} attention. "
       "Diagnosed in {:.0f} s.</p>\n",
       r.config.batch, r.config.accum, r.config.seq, escape(precision_name(r.config.precision)),
       escape(optimizer_name(r.config.optimizer)), escape(r.config.checkpointing.name()),
       escape(attention_path_name(r.config.attention)), r.seconds);
-  html += "<h2>1. What happened</h2>\n";
+  return html;
+}
+
+// 1. The verdict and the memory by category, measured against estimated.
+std::string what_happened_section(const DoctorReport& r) {
+  std::string html = "<h2>1. What happened</h2>\n";
   html += r.oom ? fmt::format("<p class=\"bad\" id=\"verdict\">Out of memory in {} of step {}.</p><pre>{}</pre>\n",
                               escape(r.oom_phase), r.oom_step, escape(r.oom_text))
                 : fmt::format("<p class=\"good\" id=\"verdict\">It fits: peak {} of {}.</p>\n",
@@ -147,7 +150,12 @@ std::string report_html(const DoctorReport& r) {
                       : r.measured_whole_step         ? " (without the budget)"
                                                       : "") +
           " and estimated:</p>\n" + breakdown_svg(r) + "\n";
-  html += "<h2>2. Leaks and fragmentation</h2>\n";
+  return html;
+}
+
+// 2. The leak check, its sites, and fragmentation.
+std::string leaks_section(const DoctorReport& r) {
+  std::string html = "<h2>2. Leaks and fragmentation</h2>\n";
   html += fmt::format("<p id=\"leak\"><b>{}</b> — {} ({})</p>\n", r.leak.detected ? "Leak detected" : "No leak",
                       escape(r.leak.reason), escape(r.leak_run));
   if (!r.leak.sites.empty()) {
@@ -156,7 +164,27 @@ std::string report_html(const DoctorReport& r) {
     html += "</ul>\n";
   }
   html += "<p>Fragmentation: " + escape(r.fragmentation) + "</p>\n";
-  html +=
+  return html;
+}
+
+// One row of the lever table.
+std::string lever_row(const LeverTrial& l) {
+  if (!l.applies) {
+    return fmt::format("<tr><td>{}</td><td>{}</td><td colspan=\"5\">does not apply</td><td>{}</td></tr>\n",
+                       escape(l.lever), escape(l.setting), escape(l.note));
+  }
+  return fmt::format(
+      "<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}{}</td>"
+      "<td class=\"num\">{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td></tr>\n",
+      escape(l.lever), escape(l.setting), escape(format_bytes(l.peak_bytes)), l.saving_bytes < 0 ? "−" : "",
+      escape(format_bytes(std::abs(l.saving_bytes))),
+      l.step_time_ratio > 0 ? fmt::format("{:.2f}×", l.step_time_ratio) : "—", l.fits ? "good" : "bad",
+      l.fits ? "yes" : "no", l.measured ? "run" : "est", escape(l.note));
+}
+
+// 3. Each lever's peak as a chart and a table.
+std::string levers_section(const DoctorReport& r) {
+  std::string html =
       "<h2>3. Levers</h2>\n<p>Peak of each lever against the budget (green: fits); \"run\": measured in a real "
       "step, \"est\": predicted by the estimator and the cost model.</p>\n" +
       levers_svg(r) + "\n";
@@ -164,48 +192,54 @@ std::string report_html(const DoctorReport& r) {
       "<table id=\"lever-table\"><tr><th>lever</th><th>setting</th><th>peak</th><th>saving</th>"
       "<th>step time (vs {})</th><th>fits</th><th>how</th><th>note</th></tr>\n",
       escape(r.reference));
-  for (const auto& l : r.levers) {
-    if (!l.applies) {
-      html += fmt::format("<tr><td>{}</td><td>{}</td><td colspan=\"5\">does not apply</td><td>{}</td></tr>\n",
-                          escape(l.lever), escape(l.setting), escape(l.note));
-      continue;
+  for (const auto& l : r.levers) html += lever_row(l);
+  html += "</table>\n";
+  return html;
+}
+
+// The plan found: its settings and verification, the faster options, its steps' timeline.
+std::string plan_found(const DoctorReport& r) {
+  std::string html = fmt::format(
+      "<p id=\"plan\">Micro-batch {} × accum {}, {}, checkpointing {}, {} attention, {} — predicted "
+      "peak {}; trained for 2 steps: peak {} of {} (<span class=\"{}\">{}</span>). {}.</p>\n",
+      r.plan.batch, r.plan.accum, escape(precision_name(r.plan.precision)), escape(r.plan.checkpointing.name()),
+      escape(attention_path_name(r.plan.attention)), escape(optimizer_name(r.plan.optimizer)),
+      escape(format_bytes(r.plan.predicted_peak_bytes)), escape(format_bytes(r.verified_peak_bytes)),
+      escape(format_bytes(r.budget)), r.plan_verified ? "good" : "bad", r.plan_verified ? "fits" : "did not fit",
+      escape(r.plan_note));
+  if (!r.options.empty()) {
+    html += "<p>Faster options that change the numerics (precision or optimizer), by the cost model:</p><ul>";
+    for (const Plan& p : r.options) {
+      html += fmt::format("<li>{}: {:.2f}× the step time, predicted peak {}</li>", escape(p.describe()),
+                          p.predicted_step_seconds / r.plan.predicted_step_seconds,
+                          escape(format_bytes(p.predicted_peak_bytes)));
     }
-    html += fmt::format(
-        "<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}{}</td>"
-        "<td class=\"num\">{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td></tr>\n",
-        escape(l.lever), escape(l.setting), escape(format_bytes(l.peak_bytes)), l.saving_bytes < 0 ? "−" : "",
-        escape(format_bytes(std::abs(l.saving_bytes))),
-        l.step_time_ratio > 0 ? fmt::format("{:.2f}×", l.step_time_ratio) : "—", l.fits ? "good" : "bad",
-        l.fits ? "yes" : "no", l.measured ? "run" : "est", escape(l.note));
+    html += "</ul>\n";
   }
-  html += !r.oom ? "</table>\n<h2>4. Plan: the configuration as given fits</h2>\n"
-                 : "</table>\n<h2>4. Recommended plan</h2>\n";
-  if (r.plan_found) {
-    html += fmt::format(
-        "<p id=\"plan\">Micro-batch {} × accum {}, {}, checkpointing {}, {} attention, {} — predicted "
-        "peak {}; trained for 2 steps: peak {} of {} (<span class=\"{}\">{}</span>). {}.</p>\n",
-        r.plan.batch, r.plan.accum, escape(precision_name(r.plan.precision)), escape(r.plan.checkpointing.name()),
-        escape(attention_path_name(r.plan.attention)), escape(optimizer_name(r.plan.optimizer)),
-        escape(format_bytes(r.plan.predicted_peak_bytes)), escape(format_bytes(r.verified_peak_bytes)),
-        escape(format_bytes(r.budget)), r.plan_verified ? "good" : "bad", r.plan_verified ? "fits" : "did not fit",
-        escape(r.plan_note));
-    if (!r.options.empty()) {
-      html += "<p>Faster options that change the numerics (precision or optimizer), by the cost model:</p><ul>";
-      for (const Plan& p : r.options) {
-        html += fmt::format("<li>{}: {:.2f}× the step time, predicted peak {}</li>", escape(p.describe()),
-                            p.predicted_step_seconds / r.plan.predicted_step_seconds,
-                            escape(format_bytes(p.predicted_peak_bytes)));
-      }
-      html += "</ul>\n";
-    }
-    html += "<p>Memory through each phase of those steps:</p>\n" + timeline_svg(r) + "\n";
-    if (!r.snapshot.empty()) {
-      html += "<p>PyTorch's memory snapshot of these steps: <code>" + escape(r.snapshot) +
-              "</code> (diagnose it with <code>headroom analyze</code>, or open it in pytorch.org/memory_viz).</p>\n";
-    }
-  } else {
-    html += "<p id=\"plan\" class=\"bad\">" + escape(r.plan_note) + "</p>\n";
+  html += "<p>Memory through each phase of those steps:</p>\n" + timeline_svg(r) + "\n";
+  if (!r.snapshot.empty()) {
+    html += "<p>PyTorch's memory snapshot of these steps: <code>" + escape(r.snapshot) +
+            "</code> (diagnose it with <code>headroom analyze</code>, or open it in pytorch.org/memory_viz).</p>\n";
   }
+  return html;
+}
+
+// 4. The plan, or why there is none.
+std::string plan_section(const DoctorReport& r) {
+  std::string html = !r.oom ? "<h2>4. Plan: the configuration as given fits</h2>\n" : "<h2>4. Recommended plan</h2>\n";
+  if (r.plan_found) return html + plan_found(r);
+  return html + "<p id=\"plan\" class=\"bad\">" + escape(r.plan_note) + "</p>\n";
+}
+
+}  // namespace
+
+std::string report_html(const DoctorReport& r) {
+  std::string html = html_page_head("headroom doctor");
+  html += page_heading(r);
+  html += what_happened_section(r);
+  html += leaks_section(r);
+  html += levers_section(r);
+  html += plan_section(r);
   return html + "</body></html>\n";
 }
 

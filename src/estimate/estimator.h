@@ -10,7 +10,7 @@
 // allocated (shapes come from a meta-device model, so they match the trainer's).
 //
 // The accuracy test (estimator_test.cpp) holds it to the budget allocator's measured peak; when the
-// model or the trainer changes and this file does not, that test fails.
+// model or the trainer changes and the replay (estimate/*_replay.*) does not, that test fails.
 #pragma once
 
 #include <array>
@@ -21,12 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "config/attention_path.h"
-#include "config/checkpoint_policy.h"
 #include "config/model_config.h"
-#include "config/optimizer_kind.h"
-#include "config/precision.h"
-#include "config/shard_level.h"
+#include "config/step_settings.h"
 #include "estimate/reserved.h"
 #include "estimate/sim.h"
 #include "memory/allocator_config.h"
@@ -34,25 +30,18 @@
 
 namespace headroom {
 
-struct TrainSpec {
-  int64_t batch = 8;  // micro-batch, sequences
-  int64_t accum = 1;
-  int64_t seq = 128;
-  Precision precision = Precision::fp32;
-  OptimizerKind optimizer = OptimizerKind::adamw;
-  OptimizerImpl optimizer_impl = OptimizerImpl::headroom;  // whose update: headroom's or torch.optim's
-  CheckpointPolicy checkpointing;
-  AttentionPath attention = AttentionPath::flash;
+// What the estimator predicts: a step with its settings (config/step_settings.h, shared whole with
+// the run's configuration and the plan), and where it runs.
+struct TrainSpec : StepSettings {
   bool cuda = false;
   int64_t dataset_bytes = 0;  // cpu: the corpus, held in host memory as one byte per token
   // A caching allocator's settings (cuda; cpu with --allocator caching): reserved memory is
   // predicted by replaying the step through its policy (estimate/reserved.h). nullopt: not predicted.
   std::optional<AllocatorConfig> caching;
   std::optional<int64_t> budget;  // with caching: the cap the replay runs under (fits by reserved)
-  // Data parallel (lever 6): the ranks, and how their state is split; the estimate is rank 0's (the
-  // rank with the largest slices). --batch stays the per-rank micro-batch.
+  // Data parallel (lever 6): the ranks (the shard level is a StepSettings); the estimate is rank
+  // 0's (the rank with the largest slices). batch stays the per-rank micro-batch.
   int64_t world = 1;
-  ShardLevel shard = ShardLevel::none;
 };
 
 struct EstimateItem {
@@ -82,7 +71,7 @@ struct Estimate {
   // What the trainer's monitor counts as activations: everything but weights, gradients, optimizer
   // state and other (saved activations, weight copies, logits, loss, temporaries, allocator rounding).
   int64_t step_memory() const;
-  // PRODUCT.md: {"model": {"name", "params"}, "peak_bytes", "peak_phase", "breakdown": {...}}, plus
+  // The contract: {"model": {"name", "params"}, "peak_bytes", "peak_phase", "breakdown": {...}}, plus
   // "items" (name, category, bytes, formula) and "phases" (peak per phase).
   nlohmann::json to_json() const;
   std::string table() const;

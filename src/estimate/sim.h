@@ -23,7 +23,7 @@
 
 namespace headroom::sim {
 
-// The breakdown categories of PRODUCT.md's estimate contract.
+// The breakdown categories of the estimate's JSON contract (headroom estimate --json).
 enum class Category {
   weights,
   weight_copies,

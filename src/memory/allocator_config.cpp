@@ -136,66 +136,101 @@ std::string AllocatorConfig::text() const {
   return fmt::format("{}", fmt::join(parts, ","));
 }
 
-AllocatorConfig parse_allocator_config(const std::string& text, const std::string& source) {
+namespace {
+
+// The keys PyTorch 2.11's parsers accept (c10/core/AllocatorConfig.h, c10/cuda/CUDAAllocatorConfig.h),
+// for messages.
+constexpr const char* kAcceptedKeys =
+    "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold, "
+    "expandable_segments, large_segment_size_mb, backend, release_lock_on_cudamalloc, pinned_use_cuda_host_register, "
+    "pinned_num_register_threads, pinned_use_background_threads, pinned_reserve_segment_size_mb, "
+    "graph_capture_record_stream_reuse, per_process_memory_fraction";
+
+// Settings PyTorch accepts that change where memory goes in a way headroom's model of the caching
+// allocator does not reproduce. `modelled`: refuse them (the model would be wrong); otherwise check
+// them as PyTorch does and accept them.
+void apply_unmodelled(const std::string& key, const std::string& value, const std::string& source, bool modelled) {
+  if (key == "backend") {
+    if (value != "native" && value != "cudaMallocAsync") {
+      fail("{}: backend '{}': accepted: native or cudaMallocAsync", source, value);
+    }
+    if (value == "cudaMallocAsync" && modelled) {
+      fail("{}: backend:cudaMallocAsync is CUDA's own allocator, which headroom does not reproduce; accepted: "
+           "backend:native",
+           source);
+    }
+    return;
+  }
+  // large_segment_size_mb: the size of the segments large blocks are carved from (20 MiB by default).
+  const int64_t mb = parse_count(key, value, source);
+  if (mb == 0) fail("{}: large_segment_size_mb must be positive", source);
+  if (modelled && mb != kLargeBufferMiB) {
+    fail("{}: large_segment_size_mb:{}: headroom's model of the caching allocator keeps PyTorch's default of 20 MiB "
+         "segments; accepted here: large_segment_size_mb:20 or none",
+         source, mb);
+  }
+}
+
+// One "key:value" option applied to `c`.
+void apply_option(AllocatorConfig& c, const std::string& option, const std::string& source, bool modelled) {
+  const auto colon = option.find(':');
+  if (colon == std::string::npos) {
+    fail("{}: option '{}' has no value; expected key:value, e.g. expandable_segments:True, with a key of: {}", source,
+         option, kAcceptedKeys);
+  }
+  const std::string key = trim(option.substr(0, colon));
+  const std::string value = trim(option.substr(colon + 1));
+  if (key == "max_split_size_mb" || key == "max_non_split_rounding_mb") {
+    const int64_t mb = parse_count(key, value, source);
+    if (mb < kLargeBufferMiB) fail("{}: {} {} is too small; it must be at least 20", source, key, mb);
+    if (mb > (int64_t{1} << 42)) fail("{}: {} {} is larger than any device", source, key, mb);
+    (key == "max_split_size_mb" ? c.max_split_size : c.max_non_split_rounding_size) = mb * kMiB;
+  } else if (key == "garbage_collection_threshold") {
+    char* end = nullptr;
+    const double t = std::strtod(value.c_str(), &end);
+    if (value.empty() || *end != '\0' || !(t > 0.0) || !(t < 1.0)) {
+      fail("{}: garbage_collection_threshold '{}' must be a number between 0 and 1 (exclusive)", source, value);
+    }
+    c.garbage_collection_threshold = t;
+  } else if (key == "roundup_power2_divisions") {
+    if (!value.empty() && value.front() == '[') {
+      if (value.back() != ']') fail("{}: roundup_power2_divisions '{}' has no closing ']'", source, value);
+      parse_divisions_list(c, value, source);
+    } else {
+      const int64_t d = parse_divisions(value, source);
+      if (d == 0) fail("{}: roundup_power2_divisions must be a power of 2; 0 is accepted only in the [...] form", source);
+      c.roundup_power2_divisions.fill(d);
+    }
+  } else if (key == "expandable_segments") {
+    c.expandable_segments = parse_bool(key, value, source);
+  } else if (key == "backend" || key == "large_segment_size_mb") {
+    apply_unmodelled(key, value, source, modelled);
+  } else if (key == "release_lock_on_cudamalloc" || key == "pinned_use_cuda_host_register" ||
+             key == "pinned_num_register_threads" || key == "pinned_use_background_threads" ||
+             key == "pinned_reserve_segment_size_mb" || key == "graph_capture_record_stream_reuse" ||
+             key == "per_process_memory_fraction") {
+    c.ignored.push_back(option);
+  } else {
+    fail("{}: unknown option '{}'; accepted: {}", source, key, kAcceptedKeys);
+  }
+}
+
+AllocatorConfig parse_options(const std::string& text, const std::string& source, bool modelled) {
   AllocatorConfig c;
   if (trim(text).empty()) return c;
   for (const std::string& option : split_top(text, ',', source)) {
-    if (option.empty()) continue;
-    const auto colon = option.find(':');
-    if (colon == std::string::npos) {
-      fail("{}: option '{}' has no value; expected key:value, e.g. expandable_segments:True", source, option);
-    }
-    const std::string key = trim(option.substr(0, colon));
-    const std::string value = trim(option.substr(colon + 1));
-    if (key == "max_split_size_mb") {
-      const int64_t mb = parse_count(key, value, source);
-      if (mb < kLargeBufferMiB) fail("{}: max_split_size_mb {} is too small; it must be at least 20", source, mb);
-      if (mb > (int64_t{1} << 42)) fail("{}: max_split_size_mb {} is larger than any device", source, mb);
-      c.max_split_size = mb * kMiB;
-    } else if (key == "max_non_split_rounding_mb") {
-      const int64_t mb = parse_count(key, value, source);
-      if (mb < kLargeBufferMiB) fail("{}: max_non_split_rounding_mb {} is too small; it must be at least 20", source, mb);
-      if (mb > (int64_t{1} << 42)) fail("{}: max_non_split_rounding_mb {} is larger than any device", source, mb);
-      c.max_non_split_rounding_size = mb * kMiB;
-    } else if (key == "garbage_collection_threshold") {
-      char* end = nullptr;
-      const double t = std::strtod(value.c_str(), &end);
-      if (value.empty() || *end != '\0' || !(t > 0.0) || !(t < 1.0)) {
-        fail("{}: garbage_collection_threshold '{}' must be a number between 0 and 1 (exclusive)", source, value);
-      }
-      c.garbage_collection_threshold = t;
-    } else if (key == "roundup_power2_divisions") {
-      if (!value.empty() && value.front() == '[') {
-        if (value.back() != ']') fail("{}: roundup_power2_divisions '{}' has no closing ']'", source, value);
-        parse_divisions_list(c, value, source);
-      } else {
-        const int64_t d = parse_divisions(value, source);
-        if (d == 0) fail("{}: roundup_power2_divisions must be a power of 2; 0 is accepted only in the [...] form", source);
-        c.roundup_power2_divisions.fill(d);
-      }
-    } else if (key == "expandable_segments") {
-      c.expandable_segments = parse_bool(key, value, source);
-    } else if (key == "backend") {
-      if (value == "cudaMallocAsync") {
-        fail("{}: backend:cudaMallocAsync is CUDA's own allocator, which headroom does not reproduce; accepted: "
-             "backend:native",
-             source);
-      }
-      if (value != "native") fail("{}: backend '{}': accepted: native or cudaMallocAsync", source, value);
-    } else if (key == "release_lock_on_cudamalloc" || key == "pinned_use_cuda_host_register" ||
-               key == "pinned_num_register_threads" || key == "pinned_use_background_threads" ||
-               key == "pinned_reserve_segment_size_mb" || key == "graph_capture_record_stream_reuse" ||
-               key == "per_process_memory_fraction") {
-      c.ignored.push_back(option);
-    } else {
-      fail("{}: unknown option '{}'; accepted: max_split_size_mb, max_non_split_rounding_mb, "
-           "roundup_power2_divisions, garbage_collection_threshold, expandable_segments, backend, "
-           "release_lock_on_cudamalloc, pinned_*",
-           source, key);
-    }
+    if (!option.empty()) apply_option(c, option, source, modelled);
   }
   return c;
 }
+
+}  // namespace
+
+AllocatorConfig parse_allocator_config(const std::string& text, const std::string& source) {
+  return parse_options(text, source, true);
+}
+
+void check_allocator_config(const std::string& text, const std::string& source) { parse_options(text, source, false); }
 
 std::string allocator_config_from_environment() {
   for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {

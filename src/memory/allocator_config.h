@@ -12,7 +12,8 @@
 //                                  reserved memory passes T of the cap (0 < T < 1).
 //   expandable_segments:True       one growing mapping per pool and stream instead of fixed segments.
 // Options that change nothing here (backend:native, release_lock_on_cudamalloc, pinned_*, ...) are
-// accepted and kept in `ignored`; backend:cudaMallocAsync is refused (a different allocator).
+// accepted and kept in `ignored`; backend:cudaMallocAsync (a different allocator) and a
+// large_segment_size_mb other than 20 are refused: the model would not hold for them.
 #pragma once
 
 #include <array>
@@ -43,6 +44,11 @@ struct AllocatorConfig {
 // Parses "key:value,key:value" as PyTorch does; throws Error naming the option and what it accepts.
 // `source` names where the text came from in messages ("PYTORCH_CUDA_ALLOC_CONF", "--allocator-conf").
 AllocatorConfig parse_allocator_config(const std::string& text, const std::string& source);
+
+// Checks `text` as PyTorch's own parser will, without modelling it: what PyTorch accepts passes
+// (backend:cudaMallocAsync and large_segment_size_mb too); anything else throws Error naming the
+// option and the keys accepted. The launcher's check of the environment (cli/environment_check.cpp).
+void check_allocator_config(const std::string& text, const std::string& source);
 
 // The settings in the environment: PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF (PyTorch reads
 // the same two), "" when neither is set.

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <set>
+
+#include "memory/caching_policy_blocks.h"
 
 namespace headroom {
 
@@ -39,80 +42,9 @@ const char* trace_action_name(TraceAction a) {
   return "?";
 }
 
-struct CachingPolicy::Block {
-  uint64_t address = 0;
-  int64_t size = 0;
-  int64_t requested = 0;
-  int stream = 0;
-  Pool* pool = nullptr;
-  bool allocated = false;
-  bool mapped = true;
-  Block* prev = nullptr;  // neighbours in the same segment
-  Block* next = nullptr;
-  Expandable* expandable = nullptr;
-  int64_t gc_base = 0;  // the pool's search count when the block became free
-
-  bool is_split() const { return prev != nullptr || next != nullptr; }
-  void splice(Block* before, Block* after) {
-    if (before != nullptr) before->next = this;
-    prev = before;
-    if (after != nullptr) after->prev = this;
-    next = after;
-  }
-};
-
-namespace {
-// Best fit: stream, then size, then address (a search key has address 0).
-struct BySize {
-  bool operator()(const CachingPolicy::Block* a, const CachingPolicy::Block* b) const;
-};
-struct ByAddress {
-  bool operator()(const CachingPolicy::Block* a, const CachingPolicy::Block* b) const;
-};
-}  // namespace
-
-bool BySize::operator()(const CachingPolicy::Block* a, const CachingPolicy::Block* b) const {
-  if (a->stream != b->stream) return a->stream < b->stream;
-  if (a->size != b->size) return a->size < b->size;
-  return a->address < b->address;
-}
-bool ByAddress::operator()(const CachingPolicy::Block* a, const CachingPolicy::Block* b) const {
-  if (a->stream != b->stream) return a->stream < b->stream;
-  return a->address < b->address;
-}
-
-struct CachingPolicy::Pool {
-  bool small = false;
-  std::set<Block*, BySize> blocks;        // free, mapped
-  std::set<Block*, ByAddress> unmapped;   // expandable address space without pages
-  int64_t searches = 0;                   // get_free_block calls, the garbage collector's clock
-
-  void insert(Block* b) {
-    b->gc_base = searches;
-    blocks.insert(b);
-  }
-};
-
-struct CachingPolicy::Expandable {
-  uint64_t base = 0;
-  int64_t size = 0;  // address space
-  int64_t page = 0;
-};
-
-struct CachingPolicy::Request {
-  int64_t requested = 0;
-  int64_t size = 0;  // rounded
-  int stream = 0;
-  Pool* pool = nullptr;
-  int64_t alloc_size = 0;  // a new segment's size
-  Block* block = nullptr;
-  bool device_refused = false;
-};
-
 namespace {
 constexpr uint64_t kFirstAddress = uint64_t{1} << 40;
 constexpr int64_t kAddressAlignment = int64_t{2} << 20;
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // The next size of `divisions` equal steps between the powers of two around `size`.
 int64_t roundup_power2_next_division(int64_t size, int64_t divisions) {
@@ -154,13 +86,13 @@ int64_t CachingPolicy::round_size(int64_t bytes) const {
   if (bytes < kMinBlockSize) return kMinBlockSize;
   const int64_t divisions = config_.divisions_for(bytes);
   if (divisions > 1 && bytes > kMinBlockSize * divisions) return roundup_power2_next_division(bytes, divisions);
-  return round_up(bytes, kMinBlockSize);
+  return round_up_to(bytes, kMinBlockSize);
 }
 
 int64_t CachingPolicy::allocation_size(int64_t rounded) {
   if (rounded <= kSmallSize) return kSmallBuffer;
   if (rounded < kMinLargeAlloc) return kLargeBuffer;
-  return round_up(rounded, kRoundLarge);
+  return round_up_to(rounded, kRoundLarge);
 }
 
 CachingPolicy::Pool& CachingPolicy::pool_for(int64_t rounded) { return rounded <= kSmallSize ? *small_ : *large_; }
@@ -171,9 +103,13 @@ void CachingPolicy::emit(TraceAction a, uint64_t address, int64_t size, int stre
 
 uint64_t CachingPolicy::take_address(int64_t bytes) {
   const uint64_t address = next_address_;
-  next_address_ += static_cast<uint64_t>(round_up(bytes, kAddressAlignment));
+  next_address_ += static_cast<uint64_t>(round_up_to(bytes, kAddressAlignment));
   return address;
 }
+
+// ---- requests: the best fit of the request's pool and stream from the cache, split when the rest
+// is worth keeping, else a new segment (caching_policy_segments.cpp); a free merges the block with
+// its free neighbours ----
 
 std::optional<uint64_t> CachingPolicy::allocate(int64_t bytes, int stream) {
   TORCH_CHECK(bytes >= 0, "CachingPolicy::allocate: negative size ", bytes);
@@ -220,7 +156,9 @@ bool CachingPolicy::get_free_block(Request& r) {
   if ((*it)->expandable != nullptr && config_.expandable_segments) {
     // A block that ends where unmapped address space begins can grow into it: for the best fit its
     // size is what it can grow to.
-    auto growable = [](const Block* b) { return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0); };
+    auto growable = [](const Block* b) {
+      return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
+    };
     auto next = std::next(it);
     while ((*it)->expandable != nullptr && next != pool.blocks.end() && (*next)->stream == r.stream &&
            growable(*next) < growable(*it)) {
@@ -238,33 +176,6 @@ bool CachingPolicy::get_free_block(Request& r) {
   if (r.size >= config_.max_split_size && (*it)->size >= r.size + config_.max_non_split_rounding_size) return false;
   r.block = *it;
   pool.blocks.erase(it);
-  return true;
-}
-
-bool CachingPolicy::alloc_block(Request& r, bool retry) {
-  if (retry) ++stats_.num_alloc_retries;
-  const int64_t size = r.alloc_size;
-  if (limit_ && total_reserved_ + size > *limit_) return false;
-  if (config_.expandable_segments) {
-    r.block = try_allocate_expandable(r);
-    return r.block != nullptr;
-  }
-  const uint64_t address = take_address(size);
-  if (!source_->allocate(address, size)) {
-    r.device_refused = true;
-    return false;
-  }
-  total_reserved_ += size;
-  auto* b = new Block;
-  b->address = address;
-  b->size = size;
-  b->stream = r.stream;
-  b->pool = r.pool;
-  r.block = b;
-  stats_.segment.add(1);
-  stats_.reserved_bytes.add(size);
-  ++stats_.num_device_alloc;
-  emit(TraceAction::segment_alloc, address, size, r.stream);
   return true;
 }
 
@@ -382,252 +293,7 @@ void CachingPolicy::free_block(Block* b) {
   stats_.requested_bytes.sub(requested);
 }
 
-void CachingPolicy::release_block(Block* b) {
-  TORCH_CHECK(b->expandable == nullptr && !b->is_split() && !b->allocated,
-              "CachingPolicy: only a whole free segment can be released");
-  source_->free(b->address, b->size);
-  total_reserved_ -= b->size;
-  b->pool->blocks.erase(b);
-  stats_.segment.sub(1);
-  stats_.reserved_bytes.sub(b->size);
-  ++stats_.num_device_free;
-  emit(TraceAction::segment_free, b->address, b->size, b->stream);
-  delete b;
-}
-
-bool CachingPolicy::release_available_cached_blocks(Request& r) {
-  if (config_.max_split_size == std::numeric_limits<int64_t>::max()) return false;
-  Pool& pool = *r.pool;
-  Block key;
-  key.stream = r.stream;
-  key.size = std::max(r.size, config_.max_split_size);
-  auto it = pool.blocks.lower_bound(&key);
-  if (it == pool.blocks.end() || (*it)->stream != r.stream || (*it)->expandable != nullptr) {
-    // No single oversize block is large enough: free oversize blocks, largest first.
-    if (it == pool.blocks.begin()) return false;
-    int64_t released = 0;
-    --it;
-    while (released < key.size && (*it)->size >= config_.max_split_size && (*it)->stream == r.stream) {
-      auto cur = it;
-      const bool first = cur == pool.blocks.begin();
-      if (!first) --it;
-      if ((*cur)->expandable == nullptr) {
-        released += (*cur)->size;
-        release_block(*cur);
-      }
-      if (first) break;
-    }
-    return released >= key.size;
-  }
-  release_block(*it);
-  return true;
-}
-
-void CachingPolicy::release_blocks(Pool& pool) {
-  std::vector<Block*> to_unmap;
-  for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
-    Block* b = *it;
-    ++it;
-    if (b->expandable != nullptr) {
-      to_unmap.push_back(b);
-    } else if (!b->is_split()) {
-      release_block(b);
-    }
-  }
-  for (Block* b : to_unmap) {
-    unmap_block(b);
-    // A whole expandable segment unmapped: its address space goes too.
-    if (!b->is_split() && !b->mapped) {
-      source_->unreserve(b->address, b->size);
-      pool.unmapped.erase(b);
-      std::erase_if(expandable_, [&](const auto& e) { return e.get() == b->expandable; });
-      delete b;
-    }
-  }
-}
-
-bool CachingPolicy::release_cached_blocks() {
-  release_blocks(*large_);
-  release_blocks(*small_);
-  return true;
-}
-
-void CachingPolicy::empty_cache() { release_cached_blocks(); }
-
-void CachingPolicy::garbage_collect() {
-  const auto threshold =
-      static_cast<int64_t>(config_.garbage_collection_threshold * static_cast<double>(*limit_));
-  if (total_reserved_ <= threshold) return;
-  const int64_t target = total_reserved_ - threshold;
-  Pool& pool = *large_;
-  auto age = [&](const Block* b) { return pool.searches - b->gc_base; };
-  int64_t total_age = 0, freeable = 0;
-  for (const Block* b : pool.blocks) {
-    if (!b->is_split()) {
-      total_age += age(b);
-      ++freeable;
-    }
-  }
-  if (freeable == 0) return;
-  int64_t reclaimed = 0;
-  bool freed = true;
-  // Blocks at least as old as the average go first, round after round, until enough is back.
-  while (reclaimed < target && freed && freeable > 0) {
-    const double threshold_age = static_cast<double>(total_age) / static_cast<double>(freeable);
-    freed = false;
-    for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
-      Block* b = *it;
-      ++it;
-      if (!b->is_split() && b->expandable == nullptr && static_cast<double>(age(b)) >= threshold_age) {
-        freed = true;
-        reclaimed += b->size;
-        total_age -= age(b);
-        --freeable;
-        release_block(b);
-      }
-    }
-  }
-}
-
-CachingPolicy::Block* CachingPolicy::find_expandable(Pool& pool, int stream, int64_t size) {
-  auto allocatable = [](const Block* b) { return b != nullptr && !b->allocated; };
-  auto has_room = [&](const Block* b) {
-    int64_t bytes = 0;
-    while (bytes < size && allocatable(b)) {
-      bytes += b->size;
-      b = b->next;
-    }
-    return bytes >= size;
-  };
-  Block key;
-  key.stream = stream;
-  for (auto it = pool.unmapped.lower_bound(&key); it != pool.unmapped.end() && (*it)->stream == stream; ++it) {
-    Block* c = *it;
-    // The lowest unmapped range, with the free mapped block just before it when there is one.
-    if (allocatable(c->prev)) c = c->prev;
-    if (has_room(c)) return c;
-  }
-  auto e = std::make_unique<Expandable>();
-  e->page = pool.small ? kSmallBuffer : kLargeBuffer;
-  // Address space for 1 1/8 of the device, as the reference reserves (room to map pages at the end
-  // while earlier ones are still in use); without a cap, 1 TiB.
-  const int64_t device = limit_.value_or(int64_t{1} << 40);
-  e->size = round_up(device + device / 8, e->page);
-  e->base = take_address(e->size);
-  if (!source_->reserve(e->base, e->size)) return nullptr;
-  auto* c = new Block;
-  c->address = e->base;
-  c->size = e->size;
-  c->stream = stream;
-  c->pool = &pool;
-  c->mapped = false;
-  c->expandable = e.get();
-  pool.unmapped.insert(c);
-  expandable_.push_back(std::move(e));
-  return c;
-}
-
-bool CachingPolicy::map_block(Block* b, int64_t size) {
-  const Expandable& e = *b->expandable;
-  const int64_t bytes = round_up(static_cast<int64_t>(b->address - e.base) + size, e.page) -
-                        static_cast<int64_t>(b->address - e.base);
-  // No cap here, as in the reference: alloc_block checked the request's segment size, and a mapping
-  // rounded up to a page may pass the cap by less than a page.
-  if (!source_->map(b->address, bytes)) return false;
-  Pool& pool = *b->pool;
-  pool.unmapped.erase(b);
-  b->mapped = true;
-  if (bytes < b->size) {
-    auto* rest = new Block;
-    rest->address = b->address + static_cast<uint64_t>(bytes);
-    rest->size = b->size - bytes;
-    rest->stream = b->stream;
-    rest->pool = &pool;
-    rest->mapped = false;
-    rest->expandable = b->expandable;
-    rest->splice(b, b->next);
-    pool.unmapped.insert(rest);
-    b->size = bytes;
-  }
-  try_merge(b, b->prev, pool);
-  try_merge(b, b->next, pool);
-  pool.insert(b);
-  total_reserved_ += bytes;
-  stats_.reserved_bytes.add(bytes);
-  ++stats_.num_device_alloc;
-  emit(TraceAction::segment_map, b->address, bytes, b->stream);
-  return true;
-}
-
-CachingPolicy::Block* CachingPolicy::try_allocate_expandable(Request& r) {
-  Block* c = find_expandable(*r.pool, r.stream, r.size);
-  if (c == nullptr) {
-    r.device_refused = true;
-    return nullptr;
-  }
-  // Either unmapped address space, or a free mapped block followed by it. A page the source cannot
-  // map is the machine's memory running out (the cap was checked before).
-  if (!c->mapped && !map_block(c, std::min(c->size, r.size))) {
-    r.device_refused = true;
-    return nullptr;
-  }
-  while (c->size < r.size) {
-    const int64_t missing = r.size - c->size;
-    Block* unmapped = c->next;
-    if (!map_block(unmapped, std::min(missing, unmapped->size))) {
-      r.device_refused = true;
-      return nullptr;
-    }
-    c = unmapped;  // it took in the mapped block before it
-  }
-  r.pool->blocks.erase(c);
-  return c;
-}
-
-void CachingPolicy::unmap_block(Block* b) {
-  const Expandable& e = *b->expandable;
-  const auto offset = static_cast<int64_t>(b->address - e.base);
-  const int64_t begin = round_up(offset, e.page);
-  const int64_t end = (offset + b->size) / e.page * e.page;
-  if (begin >= end) return;  // no whole page inside it
-  const uint64_t first = e.base + static_cast<uint64_t>(begin);
-  const int64_t bytes = end - begin;
-  source_->unmap(first, bytes);
-  Pool& pool = *b->pool;
-  pool.blocks.erase(b);
-  const int64_t before = begin - offset;
-  if (before > 0) {
-    auto* head = new Block;
-    head->address = b->address;
-    head->size = before;
-    head->stream = b->stream;
-    head->pool = &pool;
-    head->expandable = b->expandable;
-    head->splice(b->prev, b);
-    pool.insert(head);
-  }
-  const int64_t after = b->size - before - bytes;
-  if (after > 0) {
-    auto* tail = new Block;
-    tail->address = first + static_cast<uint64_t>(bytes);
-    tail->size = after;
-    tail->stream = b->stream;
-    tail->pool = &pool;
-    tail->expandable = b->expandable;
-    tail->splice(b, b->next);
-    pool.insert(tail);
-  }
-  b->address = first;
-  b->size = bytes;
-  b->mapped = false;
-  try_merge(b, b->prev, pool);
-  try_merge(b, b->next, pool);
-  pool.unmapped.insert(b);
-  total_reserved_ -= bytes;
-  stats_.reserved_bytes.sub(bytes);
-  ++stats_.num_device_free;
-  emit(TraceAction::segment_unmap, first, bytes, b->stream);
-}
+// ---- what the policy holds ----
 
 std::vector<SegmentInfo> CachingPolicy::segments() const {
   std::vector<const Block*> mapped;

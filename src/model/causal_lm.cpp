@@ -18,6 +18,47 @@ at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> sha
   return t;
 }
 
+namespace {
+
+// A parameter's initial value as Hugging Face draws it, on the CPU: norm weights one, biases zero,
+// the rest normal(0, std_dev), the residual projections normal(0, proj_std).
+at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double std_dev, double proj_std,
+                         const at::Generator& gen) {
+  at::Tensor cpu = at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
+  const bool is_norm = name.find("norm.") != std::string::npos;
+  const bool is_bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+  const bool is_residual_proj =
+      name.find("o_proj.weight") != std::string::npos || name.find("down_proj.weight") != std::string::npos;
+  if (is_norm && !is_bias) cpu.fill_(1.0);
+  else if (is_bias) cpu.zero_();
+  else cpu.normal_(0.0, is_residual_proj ? proj_std : std_dev, gen);
+  return cpu;
+}
+
+// Initialise each parameter on the CPU from one generator, in registration order, then copy; with
+// `keep`, each parameter holds memory only while it is initialised and kept.
+void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t seed,
+                const CausalLM::KeepParameter& keep) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const double std_dev = c.initializer_range;
+  const double proj_std = c.family == Family::gpt2 ? std_dev / std::sqrt(2.0 * c.num_layers) : std_dev;
+  c10::NoGradGuard no_grad;
+  for (auto& [name, t] : params) {
+    const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, gen);
+    if (!keep) {
+      t.copy_(cpu);
+      continue;
+    }
+    restore_storage(t);
+    t.copy_(cpu);
+    keep({name, t});
+    release_storage(t);
+  }
+  for (auto& [name, t] : params) t.requires_grad_(true);
+}
+
+}  // namespace
+
 CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed,
                    const KeepParameter& keep)
     : config_(config), options_(options), release_(static_cast<bool>(keep)), rotary_(config) {
@@ -67,31 +108,7 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   head_ = c.tie_word_embeddings ? embed_ : add_param("lm_head.weight", {c.vocab_size, d});
 
   if (options_.device().is_meta()) return;
-
-  // Initialise each parameter on the CPU from one generator, in registration order, then copy.
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const double std_dev = c.initializer_range;
-  const double proj_std = c.family == Family::gpt2 ? std_dev / std::sqrt(2.0 * c.num_layers) : std_dev;
-  c10::NoGradGuard no_grad;
-  for (auto& [name, t] : params_) {
-    at::Tensor cpu = at::empty(t.sizes(), at::TensorOptions().dtype(at::kFloat));
-    const bool is_norm = name.find("norm.") != std::string::npos;
-    const bool is_bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
-    const bool is_residual_proj = name.find("o_proj.weight") != std::string::npos ||
-                                  name.find("down_proj.weight") != std::string::npos;
-    if (is_norm && !is_bias) cpu.fill_(1.0);
-    else if (is_bias) cpu.zero_();
-    else cpu.normal_(0.0, is_residual_proj ? proj_std : std_dev, gen);
-    if (!keep) {
-      t.copy_(cpu);
-      continue;
-    }
-    restore_storage(t);
-    t.copy_(cpu);
-    keep({name, t});
-    release_storage(t);
-  }
-  for (auto& [name, t] : params_) t.requires_grad_(true);
+  initialise(params_, c, seed, keep);
 }
 
 std::vector<at::Tensor> CausalLM::parameter_tensors() const {

@@ -49,32 +49,35 @@ std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_ch
 
 std::vector<LeverChange> lever_changes(const RunConfig& cfg, int64_t layers) {
   std::vector<LeverChange> out;
+  // The flags of a change are what the field table writes for it on top of the configuration.
+  auto add = [&](Lever lever, std::string setting, std::string note, std::function<void(RunConfig&)> apply) {
+    RunConfig changed = cfg;
+    apply(changed);
+    out.push_back({lever, std::move(setting), shell_line(run_args(changed, cfg)), std::move(note), std::move(apply)});
+  };
   for (int64_t div : {2, 4}) {
     if (cfg.batch / div < 1 || cfg.batch % div != 0) continue;
     const int64_t micro = cfg.batch / div, accum = cfg.accum * div;
-    out.push_back({Lever::accumulation, fmt::format("micro-batch {} x accum {}", micro, accum),
-                   fmt::format("--batch {} --accum {}", micro, accum), "same global batch, same update",
-                   [micro, accum](RunConfig& c) {
-                     c.batch = micro;
-                     c.accum = accum;
-                   }});
+    add(Lever::accumulation, fmt::format("micro-batch {} x accum {}", micro, accum), "same global batch, same update",
+        [micro, accum](RunConfig& c) {
+          c.batch = micro;
+          c.accum = accum;
+        });
   }
   for (Precision p : {Precision::bf16_mixed, Precision::fp16_mixed, Precision::bf16}) {
     if (p == cfg.precision) continue;
-    out.push_back({Lever::precision, precision_name(p), fmt::format("--precision {}", precision_name(p)),
-                   p == Precision::bf16 ? "weights, gradients and state in bf16 too" : "autocast",
-                   [p](RunConfig& c) { c.precision = p; }});
+    add(Lever::precision, precision_name(p), p == Precision::bf16 ? "weights, gradients and state in bf16 too" : "autocast",
+        [p](RunConfig& c) { c.precision = p; });
   }
   for (const CheckpointPolicy& k : checkpoint_settings(layers)) {
     if (k == cfg.checkpointing || k.kind == CheckpointPolicy::Kind::none) continue;
-    out.push_back({Lever::checkpointing, k.name(), "--checkpointing " + k.name(), "recompute in backward",
-                   [k](RunConfig& c) { c.checkpointing = k; }});
+    add(Lever::checkpointing, k.name(), "recompute in backward", [k](RunConfig& c) { c.checkpointing = k; });
   }
   for (AttentionPath a : attention_settings()) {
     if (a == cfg.attention) continue;
-    out.push_back({Lever::attention, attention_path_name(a), fmt::format("--attention {}", attention_path_name(a)),
-                   a == AttentionPath::math ? "the explicit path keeps the seq x seq scores" : "fused SDPA",
-                   [a](RunConfig& c) { c.attention = a; }});
+    add(Lever::attention, attention_path_name(a),
+        a == AttentionPath::math ? "the explicit path keeps the seq x seq scores" : "fused SDPA",
+        [a](RunConfig& c) { c.attention = a; });
   }
   for (OptimizerKind o : {OptimizerKind::adafactor, OptimizerKind::sgd, OptimizerKind::adam, OptimizerKind::adamw}) {
     if (o == cfg.optimizer) continue;
@@ -84,8 +87,7 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, int64_t layers) {
       note = fmt::format("the same state as {} (two moments per parameter): only the update differs",
                          optimizer_name(cfg.optimizer));
     }
-    out.push_back({Lever::optimizer, optimizer_name(o), fmt::format("--optimizer {}", optimizer_name(o)), note,
-                   [o](RunConfig& c) { c.optimizer = o; }});
+    add(Lever::optimizer, optimizer_name(o), note, [o](RunConfig& c) { c.optimizer = o; });
   }
   return out;
 }

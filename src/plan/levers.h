@@ -33,7 +33,7 @@ std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_ch
 struct LeverChange {
   Lever lever;
   std::string setting;  // "bf16-mixed", "micro-batch 8 x accum 2"
-  std::string flags;    // the command-line flags that make it: "--precision bf16-mixed"
+  std::string flags;    // the command-line flags that make it: "--precision bf16-mixed" (run_args)
   std::string note;     // what it changes besides memory
   std::function<void(RunConfig&)> apply;
 };

@@ -92,7 +92,10 @@ PlanResult fitting_plans(const PlanRequest& r) {
               const int64_t peak = e.peak_bytes;
               const bool segments_fit = !(e.reserved && e.reserved->oom);
               ++out.considered;
-              const Plan p{micro, spec.accum, precision, checkpointing, optimizer, attention, shard, world, peak};
+              Plan p;
+              p.step() = spec.step();
+              p.world = world;
+              p.predicted_peak_bytes = peak;
               if (out.smallest_peak < 0 || peak < out.smallest_peak) {
                 out.smallest_peak = peak;
                 out.smallest_peak_plan = p.describe();
@@ -165,17 +168,14 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
 }
 
 Plan plan_of(const RunConfig& c) {
-  return Plan{c.batch, c.accum, c.precision, c.checkpointing, c.optimizer, c.attention, c.shard, world_size_of(c)};
+  Plan p;
+  p.step() = c.step();
+  p.world = world_size_of(c);
+  return p;
 }
 
 RunConfig with_plan(RunConfig c, const Plan& p) {
-  c.batch = p.batch;
-  c.accum = p.accum;
-  c.precision = p.precision;
-  c.checkpointing = p.checkpointing;
-  c.optimizer = p.optimizer;
-  c.attention = p.attention;
-  c.shard = p.shard;
+  c.step() = p.step();
   c.plan_auto = false;
   return c;
 }

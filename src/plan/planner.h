@@ -20,14 +20,10 @@
 
 namespace headroom {
 
-struct Plan {
-  int64_t batch = 0;  // micro-batch
-  int64_t accum = 0;
-  Precision precision = Precision::fp32;
-  CheckpointPolicy checkpointing;
-  OptimizerKind optimizer = OptimizerKind::adamw;
-  AttentionPath attention = AttentionPath::flash;
-  ShardLevel shard = ShardLevel::none;
+// A way to train: the step's settings (config/step_settings.h: micro-batch, accumulation,
+// precision, checkpointing, optimizer, attention, shard level; the sequence length and the optimizer
+// update's kind are the request's), over `world` ranks, with what it is predicted to cost.
+struct Plan : StepSettings {
   int64_t world = 1;  // data-parallel ranks; batch and accum are per rank
   int64_t predicted_peak_bytes = 0;  // per rank
   double predicted_step_seconds = 0;

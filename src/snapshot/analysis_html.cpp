@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "report/html_page.h"
 #include "util/size.h"
@@ -85,6 +86,85 @@ std::string groups_table(const std::vector<SiteGroup>& groups, const std::string
   return t + "</table>\n";
 }
 
+// 1. The peaks, and what was live at the peak allocated.
+std::string peak_section(const DeviceAnalysis& d) {
+  std::string html = fmt::format(
+      "<h2>1. Peak</h2>\n<p id=\"peak-{}\">Peak allocated {} (event {}), peak reserved {} (event {}). "
+      "Live at the peak allocated, by the code that allocated it:</p>\n",
+      d.device, bytes(d.peak_allocated), d.peak_allocated_event, bytes(d.peak_reserved), d.peak_reserved_event);
+  return html + groups_table(d.live_at_peak, fmt::format("live-{}", d.device));
+}
+
+// 2. The iterations (the first 50) and the leak verdict with its sites.
+std::string iterations_section(const DeviceAnalysis& d) {
+  std::string html = fmt::format("<h2>2. Iterations and leaks</h2>\n<p>{}</p>\n", html_escape(d.iterations_reason));
+  if (!d.iterations_found) return html;
+  html += "<table><tr><th>iteration</th><th>first event</th><th>live at start</th><th>peak</th></tr>\n";
+  const size_t show = std::min<size_t>(d.iterations.size(), 50);
+  for (size_t k = 0; k < show; ++k) {
+    html += fmt::format(
+        "<tr><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>"
+        "<td class=\"num\">{}</td></tr>\n",
+        k + 1, d.iterations[k].first_event, bytes(d.iterations[k].live_at_start), bytes(d.iterations[k].peak));
+  }
+  html += "</table>\n";
+  if (show < d.iterations.size()) html += fmt::format("<p>… and {} more.</p>\n", d.iterations.size() - show);
+  html += fmt::format("<p id=\"leak-{}\" class=\"{}\"><b>{}</b> — {}</p>\n", d.device, d.leak.detected ? "bad" : "good",
+                      d.leak.detected ? "Leak detected" : "No leak", html_escape(d.leak.reason));
+  if (!d.leak.sites.empty()) {
+    html += "<ul>";
+    for (const LeakSite& s : d.leak.sites) html += "<li>" + html_escape(s.description) + "</li>";
+    html += "</ul>\n";
+  }
+  return html;
+}
+
+// 10. The fragmentation verdict, the replays and the most fragmented segments.
+std::string fragmentation_section(const DeviceAnalysis& d) {
+  std::string html =
+      fmt::format("<h2>10. Fragmentation and cached memory</h2>\n<p>{}.</p>\n", html_escape(d.fragmentation));
+  if (!d.replays.empty()) {
+    html +=
+        "<table id=\"replays\"><tr><th>allocator setting (replayed)</th><th>peak reserved</th><th>saving</th></tr>\n";
+    for (const PolicyReplay& p : d.replays) {
+      html += fmt::format("<tr><td><code>{}</code></td><td class=\"num\">{}</td><td class=\"num\">{}{}</td></tr>\n",
+                          html_escape(p.setting), bytes(p.peak_reserved), p.saving < 0 ? "−" : "",
+                          bytes(std::abs(p.saving)));
+    }
+    html += "</table>\n";
+  }
+  if (!d.fragmented_segments.empty()) {
+    html +=
+        "<p>Segments with the most inactive-split bytes at the reserved peak:</p>\n<table><tr><th>segment</th>"
+        "<th>pool</th><th>size</th><th>live</th><th>inactive split</th></tr>\n";
+    for (const SegmentState& s : d.fragmented_segments) {
+      html += fmt::format(
+          "<tr><td><code>0x{:x}</code></td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>"
+          "<td class=\"num\">{}</td></tr>\n",
+          s.address, s.small ? "small" : "large", bytes(s.total), bytes(s.allocated), bytes(s.inactive_split));
+    }
+    html += "</table>\n";
+  }
+  return html;
+}
+
+// An OOM: what it met, what was live, and the levers.
+std::string oom_section(const SnapshotOom& o) {
+  std::string html = fmt::format(
+      "<h2 class=\"bad\">Out of memory at event {}</h2>\n<p>Asked for {} at <code>{}</code>: {} live, {} reserved "
+      "({} cached), the device had {} free; short by {}.</p>\n",
+      o.event, bytes(o.requested), html_escape(o.stack), bytes(o.allocated), bytes(o.reserved), bytes(o.cached),
+      o.device_free >= 0 ? bytes(o.device_free) : "an unknown amount", bytes(o.shortfall));
+  html += groups_table(o.live, fmt::format("oom-live-{}", o.event));
+  html += "<table><tr><th>lever</th><th>setting</th><th>bytes</th><th>would have avoided it</th><th>note</th></tr>\n";
+  for (const OomLever& l : o.levers) {
+    html += fmt::format("<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"{}\">{}</td><td>{}</td></tr>\n",
+                        html_escape(l.lever), html_escape(l.setting), bytes(l.bytes), l.avoids ? "good" : "bad",
+                        l.avoids ? "yes" : "no", html_escape(l.note));
+  }
+  return html + "</table>\n";
+}
+
 }  // namespace
 
 std::string analysis_html(const SnapshotAnalysis& a) {
@@ -97,72 +177,10 @@ std::string analysis_html(const SnapshotAnalysis& a) {
   for (const DeviceAnalysis& d : a.devices) {
     html += fmt::format("<h2>Device {}: {} segments, {} trace events</h2>\n", d.device, d.segments, d.events);
     html += timeline_svg(d) + "\n";
-    html += fmt::format(
-        "<h2>1. Peak</h2>\n<p id=\"peak-{}\">Peak allocated {} (event {}), peak reserved {} (event {}). "
-        "Live at the peak allocated, by the code that allocated it:</p>\n",
-        d.device, bytes(d.peak_allocated), d.peak_allocated_event, bytes(d.peak_reserved), d.peak_reserved_event);
-    html += groups_table(d.live_at_peak, fmt::format("live-{}", d.device));
-    html += fmt::format("<h2>2. Iterations and leaks</h2>\n<p>{}</p>\n", html_escape(d.iterations_reason));
-    if (d.iterations_found) {
-      html += "<table><tr><th>iteration</th><th>first event</th><th>live at start</th><th>peak</th></tr>\n";
-      const size_t show = std::min<size_t>(d.iterations.size(), 50);
-      for (size_t k = 0; k < show; ++k) {
-        html += fmt::format(
-            "<tr><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>"
-            "<td class=\"num\">{}</td></tr>\n",
-            k + 1, d.iterations[k].first_event, bytes(d.iterations[k].live_at_start), bytes(d.iterations[k].peak));
-      }
-      html += "</table>\n";
-      if (show < d.iterations.size()) html += fmt::format("<p>… and {} more.</p>\n", d.iterations.size() - show);
-      html +=
-          fmt::format("<p id=\"leak-{}\" class=\"{}\"><b>{}</b> — {}</p>\n", d.device, d.leak.detected ? "bad" : "good",
-                      d.leak.detected ? "Leak detected" : "No leak", html_escape(d.leak.reason));
-      if (!d.leak.sites.empty()) {
-        html += "<ul>";
-        for (const LeakSite& s : d.leak.sites) html += "<li>" + html_escape(s.description) + "</li>";
-        html += "</ul>\n";
-      }
-    }
-    html += fmt::format("<h2>10. Fragmentation and cached memory</h2>\n<p>{}.</p>\n", html_escape(d.fragmentation));
-    if (!d.replays.empty()) {
-      html +=
-          "<table id=\"replays\"><tr><th>allocator setting (replayed)</th><th>peak reserved</th><th>saving</th></tr>\n";
-      for (const PolicyReplay& p : d.replays) {
-        html += fmt::format("<tr><td><code>{}</code></td><td class=\"num\">{}</td><td class=\"num\">{}{}</td></tr>\n",
-                            html_escape(p.setting), bytes(p.peak_reserved), p.saving < 0 ? "−" : "",
-                            bytes(std::abs(p.saving)));
-      }
-      html += "</table>\n";
-    }
-    if (!d.fragmented_segments.empty()) {
-      html +=
-          "<p>Segments with the most inactive-split bytes at the reserved peak:</p>\n<table><tr><th>segment</th>"
-          "<th>pool</th><th>size</th><th>live</th><th>inactive split</th></tr>\n";
-      for (const SegmentState& s : d.fragmented_segments) {
-        html += fmt::format(
-            "<tr><td><code>0x{:x}</code></td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>"
-            "<td class=\"num\">{}</td></tr>\n",
-            s.address, s.small ? "small" : "large", bytes(s.total), bytes(s.allocated), bytes(s.inactive_split));
-      }
-      html += "</table>\n";
-    }
-    for (const SnapshotOom& o : d.ooms) {
-      html += fmt::format(
-          "<h2 class=\"bad\">Out of memory at event {}</h2>\n<p>Asked for {} at <code>{}</code>: {} live, {} reserved "
-          "({} cached), the device had {} free; short by {}.</p>\n",
-          o.event, bytes(o.requested), html_escape(o.stack), bytes(o.allocated), bytes(o.reserved), bytes(o.cached),
-          o.device_free >= 0 ? bytes(o.device_free) : "an unknown amount", bytes(o.shortfall));
-      html += groups_table(o.live, fmt::format("oom-live-{}", o.event));
-      html +=
-          "<table><tr><th>lever</th><th>setting</th><th>bytes</th><th>would have avoided it</th><th>note</th></tr>\n";
-      for (const OomLever& l : o.levers) {
-        html +=
-            fmt::format("<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"{}\">{}</td><td>{}</td></tr>\n",
-                        html_escape(l.lever), html_escape(l.setting), bytes(l.bytes), l.avoids ? "good" : "bad",
-                        l.avoids ? "yes" : "no", html_escape(l.note));
-      }
-      html += "</table>\n";
-    }
+    html += peak_section(d);
+    html += iterations_section(d);
+    html += fragmentation_section(d);
+    for (const SnapshotOom& o : d.ooms) html += oom_section(o);
   }
   if (!a.notes.empty()) {
     html += "<h2>Notes</h2>\n<ul>";

@@ -221,39 +221,7 @@ class SnapshotReader : public PickleSink {
       uint64_t b = 0;
       uint64_t next = seg.address;
       doc().for_each(*blocks, [&](Ref r) {
-        const Place bwhere{Place::block, i, b};
-        expect_record(r, bwhere);
-        SnapshotBlock block;
-        block.address = next;
-        bool has_state = false, has_requested = false, has_bsize = false;
-        doc().for_each_item(r, [&](Ref k, Ref v) {
-          const auto key = doc().text(k);
-          if (!key) return true;
-          if (*key == "address")
-            block.address = static_cast<uint64_t>(integer(v, "address", bwhere));
-          else if (*key == "size")
-            block.size = bytes(v, "size", bwhere), has_bsize = true;
-          else if (*key == "requested_size")
-            block.requested = bytes(v, "requested_size", bwhere), has_requested = true;
-          else if (*key == "frames")
-            block.stack = read_stack(v, bwhere);
-          else if (*key == "state") {
-            const auto t = doc().text(v).value_or("");
-            has_state = true;
-            if (t == "active_allocated")
-              block.state = BlockState::active_allocated;
-            else if (t == "active_awaiting_free" || t == "active_pending_free")
-              block.state = BlockState::active_awaiting_free;
-            else if (t == "inactive")
-              block.state = BlockState::inactive;
-            else
-              bad(bwhere.str() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
-          }
-          return true;
-        });
-        if (!has_bsize || block.size < 0) bad(bwhere.str() + ".size", "an int of 0 or more (the block's bytes)");
-        if (!has_state) bad(bwhere.str() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
-        if (!has_requested) block.requested = block.state == BlockState::inactive ? 0 : block.size;
+        const SnapshotBlock block = read_block(r, Place{Place::block, i, b}, next);
         next = block.address + static_cast<uint64_t>(block.size);
         seg.blocks.push_back(block);
         ++b;
@@ -261,6 +229,44 @@ class SnapshotReader : public PickleSink {
       });
     }
     out_.segments.push_back(std::move(seg));
+  }
+
+  // A block of a segment; without an address of its own, it starts where the one before it ended
+  // (`next`).
+  SnapshotBlock read_block(Ref r, const Place& where, uint64_t next) {
+    expect_record(r, where);
+    SnapshotBlock block;
+    block.address = next;
+    bool has_state = false, has_requested = false, has_size = false;
+    doc().for_each_item(r, [&](Ref k, Ref v) {
+      const auto key = doc().text(k);
+      if (!key) return true;
+      if (*key == "address")
+        block.address = static_cast<uint64_t>(integer(v, "address", where));
+      else if (*key == "size")
+        block.size = bytes(v, "size", where), has_size = true;
+      else if (*key == "requested_size")
+        block.requested = bytes(v, "requested_size", where), has_requested = true;
+      else if (*key == "frames")
+        block.stack = read_stack(v, where);
+      else if (*key == "state") {
+        const auto t = doc().text(v).value_or("");
+        has_state = true;
+        if (t == "active_allocated")
+          block.state = BlockState::active_allocated;
+        else if (t == "active_awaiting_free" || t == "active_pending_free")
+          block.state = BlockState::active_awaiting_free;
+        else if (t == "inactive")
+          block.state = BlockState::inactive;
+        else
+          bad(where.str() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
+      }
+      return true;
+    });
+    if (!has_size || block.size < 0) bad(where.str() + ".size", "an int of 0 or more (the block's bytes)");
+    if (!has_state) bad(where.str() + ".state", "\"active_allocated\", \"active_awaiting_free\" or \"inactive\"");
+    if (!has_requested) block.requested = block.state == BlockState::inactive ? 0 : block.size;
+    return block;
   }
 
   void read_trace(Ref t, uint64_t d) {

@@ -1,4 +1,4 @@
-// OomGuard — keeps a run alive when a step runs out of memory (PRODUCT.md: the guard; lever 9 at
+// OomGuard — keeps a run alive when a step runs out of memory (the guard; lever 9 at
 // run time).
 //
 // It runs each optimizer step (train/step.h). When the step raises an out-of-memory before the

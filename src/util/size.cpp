@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -56,7 +57,36 @@ int64_t parse_size(std::string_view text, std::string_view what) {
   if (bytes > std::ldexp(1.0, 62)) {
     fail("{}: '{}' is larger than headroom accepts (at most 4 EiB)", what, text);
   }
+  // A whole number of a unit is exact (a double is not, past 2^53 bytes).
+  if (number.find('.') == std::string::npos) {
+    int64_t whole = 0;
+    std::from_chars(number.data(), number.data() + number.size(), whole);
+    const auto unit_bytes = static_cast<int64_t>(scale);
+    if (whole <= (int64_t{1} << 62) / unit_bytes) return whole * unit_bytes;
+  }
   return static_cast<int64_t>(std::llround(bytes));
+}
+
+std::string format_size(int64_t bytes) {
+  struct Unit {
+    const char* name;
+    int64_t bytes;
+  };
+  // The fewest digits; binary units first, so that they win a tie.
+  static constexpr Unit kUnits[] = {{"TiB", int64_t{1} << 40}, {"GiB", int64_t{1} << 30}, {"MiB", int64_t{1} << 20},
+                                    {"KiB", int64_t{1} << 10}, {"TB", 1'000'000'000'000}, {"GB", 1'000'000'000},
+                                    {"MB", 1'000'000},         {"KB", 1'000}};
+  std::string best = std::to_string(bytes);
+  size_t digits = best.size();
+  for (const Unit& u : kUnits) {
+    if (bytes <= 0 || bytes % u.bytes != 0) continue;
+    const std::string count = std::to_string(bytes / u.bytes);
+    if (count.size() < digits) {
+      digits = count.size();
+      best = count + u.name;
+    }
+  }
+  return best;
 }
 
 std::string format_bytes(int64_t bytes) {

@@ -13,6 +13,10 @@ namespace headroom {
 // naming `what` (e.g. "--memory-budget") on anything else or on a size above 2^62 bytes.
 int64_t parse_size(std::string_view text, std::string_view what);
 
+// A size as a person writes it and parse_size reads back to the same bytes: the unit that divides it
+// exactly in the fewest digits, binary before decimal ("140MiB", "24GiB", "80GB", "1198MB", "1000").
+std::string format_size(int64_t bytes);
+
 // "1.50 GiB", "512.0 MiB", "17 B": binary units, three significant digits.
 std::string format_bytes(int64_t bytes);
 

@@ -28,6 +28,25 @@ TEST(ParseSize, RejectsGarbageWithTheFlagName) {
   EXPECT_THROW(parse_size("99999999TiB", "x"), Error);
 }
 
+TEST(FormatSize, WritesTheUnitAPersonWouldAndReadsBack) {
+  EXPECT_EQ(format_size(146800640), "140MiB");
+  EXPECT_EQ(format_size(24LL << 30), "24GiB");
+  EXPECT_EQ(format_size(1'198'000'000), "1198MB");
+  EXPECT_EQ(format_size(80'000'000'000LL), "80GB");
+  EXPECT_EQ(format_size(1024000), "1000KiB");
+  EXPECT_EQ(format_size(1536), "1536");
+  EXPECT_EQ(format_size(0), "0");
+  uint64_t x = 88172645463325252ULL;  // xorshift: sizes of every magnitude, from a fixed seed
+  for (int i = 0; i < 2000; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const int64_t bytes = static_cast<int64_t>(x >> (2 + i % 60));
+    if (bytes > (int64_t{1} << 62)) continue;
+    EXPECT_EQ(parse_size(format_size(bytes), "x"), bytes) << format_size(bytes);
+  }
+}
+
 TEST(FormatBytes, UsesBinaryUnits) {
   EXPECT_EQ(format_bytes(17), "17 B");
   EXPECT_EQ(format_bytes(1536), "1.50 KiB");

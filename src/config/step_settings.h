@@ -1,0 +1,39 @@
+// StepSettings — the levers one training step runs with, declared once.
+//
+// The micro-batch and its accumulation (lever 3), the sequence length, precision (4), activation
+// checkpointing (5), the attention path, the optimizer (8) and whose update of it an estimate
+// predicts, and the data-parallel shard level (6). What a run is told (RunConfig,
+// config/run_config.h), what the estimator predicts (TrainSpec, estimate/estimator.h) and what the
+// planner proposes (Plan, plan/planner.h) are each a StepSettings plus fields of their own, so a
+// setting of the step is written here once and passes between them whole (`a.step() = b.step()`),
+// never field by field. The field table in config/run_config.cpp reads and writes it.
+#pragma once
+
+#include <cstdint>
+
+#include "config/attention_path.h"
+#include "config/checkpoint_policy.h"
+#include "config/optimizer_kind.h"
+#include "config/precision.h"
+#include "config/shard_level.h"
+
+namespace headroom {
+
+struct StepSettings {
+  int64_t batch = 8;  // micro-batch, sequences (per rank with several ranks)
+  int64_t accum = 1;  // micro-batches per optimizer step
+  int64_t seq = 128;  // tokens per sequence
+  Precision precision = Precision::fp32;
+  OptimizerKind optimizer = OptimizerKind::adamw;
+  OptimizerImpl optimizer_impl = OptimizerImpl::headroom;  // estimate, plan: whose update to predict
+  CheckpointPolicy checkpointing;
+  AttentionPath attention = AttentionPath::flash;
+  ShardLevel shard = ShardLevel::none;
+
+  // This object as the step's settings alone, to assign or compare them whole.
+  StepSettings& step() { return *this; }
+  const StepSettings& step() const { return *this; }
+  bool operator==(const StepSettings&) const = default;
+};
+
+}  // namespace headroom

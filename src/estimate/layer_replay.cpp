@@ -1,0 +1,242 @@
+#include "estimate/layer_replay.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include "config/precision.h"
+#include "util/error.h"
+
+namespace headroom::replay {
+namespace {
+
+using sim::AttentionShape;
+using sim::Category;
+using sim::Emit;
+using sim::Param;
+using sim::Ref;
+using sim::Tensor;
+
+constexpr int64_t kCpuRngStateBytes = 5056;  // at::CPUGeneratorImpl state as a byte tensor
+constexpr int64_t kCudaRngStateBytes = 16;   // Philox seed and offset
+
+bool is_mixed(Precision p) { return p == Precision::bf16_mixed || p == Precision::fp16_mixed; }
+
+}  // namespace
+
+LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
+    : sim::Ops(is_mixed(s.precision)), c_(c), s_(s), ew_(s.precision == Precision::bf16 ? 2 : 4) {
+  const std::string w = fmt::format("{} B each", ew_);
+  weights_ = mem_.label("weights", Category::weights, "parameters × " + w);
+  grads_ = mem_.label("gradients", Category::gradients, "parameters × " + w + ", filled as backward reaches them");
+}
+
+void LayerReplay::construct_model() {
+  // Shapes from the trainer's own model class on the meta device: nothing allocated.
+  shapes_ =
+      std::make_unique<CausalLM>(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0);
+  for (const auto& np : shapes_->parameters()) {
+    if (params_.count(np.name) != 0) continue;  // a tied head repeats the embedding
+    Param prm;
+    prm.rows = np.tensor.size(0);
+    prm.cols = np.tensor.dim() == 2 ? np.tensor.size(1) : 0;
+    prm.t.numel = np.tensor.numel();
+    prm.t.elem = ew_;
+    // full: the parameter holds nothing between uses; the rank's slice is its weight (the gate's).
+    if (!gate_) prm.t.buf = mem_.allocate(prm.t.numel * ew_, weights_);
+    prm.t.slot = std::make_shared<sim::GradSlot>();
+    prm.t.slot->numel = prm.t.numel;
+    prm.t.slot->elem = ew_;
+    prm.t.slot->param_label = grads_;
+    params_.emplace(np.name, prm);
+    order_.push_back(np.name);
+  }
+  // A tied head is the embedding used a second time: two gradients arrive for it per backward.
+  if (c_.tie_word_embeddings) params_.at("embed_tokens.weight").t.slot->uses = 2;
+  // CausalLM initialises each parameter in a float32 copy, one at a time, in registration order:
+  // nothing at the peak, but a caching allocator keeps the largest copy's segment.
+  const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");
+  for (const auto& name : order_) Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
+}
+
+const Param& LayerReplay::p(const std::string& name) const {
+  auto it = params_.find(name);
+  if (it == params_.end()) fail("estimator: the model has no parameter '{}'", name);
+  return it->second;
+}
+
+const Param* LayerReplay::maybe(const std::string& name) const {
+  auto it = params_.find(name);
+  return it == params_.end() ? nullptr : &it->second;
+}
+
+Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const std::string pre = fmt::format("layers.{}.attn.", layer);
+  const int64_t tokens = x.numel / c_.hidden_size;
+  const AttentionShape shape{tokens / s_.seq, s_.seq, c_.num_heads, c_.num_kv_heads, c_.head_dim};
+  const int64_t qw = c_.num_heads * c_.head_dim, kw = c_.num_kv_heads * c_.head_dim;
+  const int qkv_lbl =
+      act("attention q, k, v", "queries, keys and values (after rotary), B·T·(heads + 2·kv_heads)·head_dim");
+  Tensor q, k, v;
+  if (c_.fused_qkv) {
+    Tensor qkv = linear(x, p(pre + "qkv.weight"), maybe(pre + "qkv.bias"), qkv_lbl);
+    q = g_->alias(qkv, tokens * qw);
+    k = g_->alias(qkv, tokens * kw);
+    v = g_->alias(qkv, tokens * kw);
+    // split/chunk backward: the three gradients are concatenated into one.
+    g_->record({&q, &k, &v}, {},
+               [this, qkv = meta(qkv)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(qkv)}; });
+  } else {
+    q = linear(x, p(pre + "q_proj.weight"), maybe(pre + "q_proj.bias"), qkv_lbl);
+    k = linear(x, p(pre + "k_proj.weight"), maybe(pre + "k_proj.bias"), qkv_lbl);
+    v = linear(x, p(pre + "v_proj.weight"), maybe(pre + "v_proj.bias"), qkv_lbl);
+  }
+  const bool rotated = !c_.learned_positions;
+  if (rotated) {
+    q = rotary(q, c_.num_heads, c_.head_dim, c_.rotary_dim, cos, sin);
+    k = rotary(k, c_.num_kv_heads, c_.head_dim, c_.rotary_dim, cos, sin);
+  }
+  const bool windowed = layer >= c_.window_from_layer && c_.sliding_window && *c_.sliding_window < s_.seq;
+  Tensor y;
+  if (s_.attention == AttentionPath::math) {
+    y = explicit_attention(q, k, v, shape, windowed, c_.attn_dropout);
+  } else if (c_.attn_dropout > 0) {
+    y = math_fallback_attention(q, k, v, shape, c_.attn_dropout);  // the fused kernel has no dropout on cpu
+  } else {
+    y = fused_attention(q, k, v, shape, windowed, rotated && c_.rotary_dim != c_.head_dim);
+  }
+  q = k = v = Tensor{};
+  const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
+  Tensor o = linear(y, p(pre + "o_proj.weight"), maybe(pre + "o_proj.bias"), res_lbl);
+  return dropout(o, c_.resid_dropout, res_lbl);
+}
+
+Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& x) {
+  const std::string pre = fmt::format("layers.{}.mlp.", layer);
+  const int lbl = act("MLP activations", "up/gate projections and activation outputs, B·T·intermediate each");
+  const bool relu = c_.activation == Activation::relu;
+  Tensor h;
+  if (c_.gated_mlp) {
+    Tensor gate = activation(linear(x, p(pre + "gate_proj.weight"), maybe(pre + "gate_proj.bias"), lbl), relu);
+    Tensor up = linear(x, p(pre + "up_proj.weight"), maybe(pre + "up_proj.bias"), lbl);
+    h = mul(gate, up, lbl);
+  } else {
+    h = activation(linear(x, p(pre + "up_proj.weight"), maybe(pre + "up_proj.bias"), lbl), relu);
+  }
+  const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
+  Tensor d = linear(h, p(pre + "down_proj.weight"), maybe(pre + "down_proj.bias"), res_lbl);
+  return dropout(d, c_.resid_dropout, res_lbl);
+}
+
+Tensor LayerReplay::checkpointed(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x) {
+  if (!x.requires_grad() || !g_->grad_mode()) return fn(x);
+  const int64_t rng_bytes = s_.cuda ? kCudaRngStateBytes : kCpuRngStateBytes;
+  const int lbl = act("checkpoint inputs", "each checkpointed block keeps its input and the RNG state");
+  Ref rng = mem_.allocate(rng_bytes, lbl);
+  g_->set_grad_mode(false);
+  Tensor y = fn(x);
+  g_->set_grad_mode(true);
+  y.slot = std::make_shared<sim::GradSlot>();
+  y.slot->numel = y.numel;
+  y.slot->elem = y.elem;
+  g_->record({&y}, {x.buf, rng}, [this, fn, x, rng_bytes](const std::vector<Ref>& in) {
+    // Recompute under grad mode (and a fresh autocast cache), then backpropagate through it.
+    // The generator state to put back afterwards, and the saved one being replayed.
+    Ref restore = mem_.allocate(rng_bytes, tmp_), replayed = mem_.allocate(rng_bytes, tmp_);
+    sim::Graph inner(mem_);
+    sim::Graph* outer = g_;
+    std::map<const Param*, Tensor> cache;
+    auto* outer_cache = cache_;
+    g_ = &inner;
+    cache_ = &cache;
+    Tensor input = x;
+    input.slot = std::make_shared<sim::GradSlot>();
+    input.slot->numel = x.numel;
+    input.slot->elem = x.elem;
+    Tensor out = fn(view(input));
+    inner.backward(out, in[0]);
+    out = Tensor{};
+    cache.clear();
+    g_ = outer;
+    cache_ = outer_cache;
+    Ref grad = input.slot->grad;
+    return std::vector<Emit>{Emit{x.slot, grad}};
+  });
+  return y;
+}
+
+Tensor LayerReplay::block(int64_t layer, const Tensor& x, const Tensor& cos, const Tensor& sin, bool selective) {
+  const std::string pre = fmt::format("layers.{}.", layer);
+  const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
+  const Param& n1 = p(pre + "input_norm.weight");
+  const Param* n1b = maybe(pre + "input_norm.bias");
+  const Param& n2 = p(pre + "post_attention_norm.weight");
+  const Param* n2b = maybe(pre + "post_attention_norm.bias");
+  auto attend = [&](const Tensor& normed) {
+    if (!selective || !g_->grad_mode()) return attention_block(layer, normed, cos, sin);
+    return checkpointed([this, layer, cos, sin](const Tensor& h) { return attention_block(layer, h, cos, sin); },
+                        normed);
+  };
+  if (c_.parallel_residual) {
+    Tensor with_attn = add(x, attend(norm(x, n1, n1b)), res_lbl);
+    Tensor m = mlp_block(layer, norm(x, n2, n2b));
+    return add(with_attn, m, res_lbl);
+  }
+  Tensor h = add(x, attend(norm(x, n1, n1b)), res_lbl);
+  return add(h, mlp_block(layer, norm(h, n2, n2b)), res_lbl);
+}
+
+Tensor LayerReplay::gate_backward(const Tensor& x, int unit) {
+  if (!x.requires_grad() || !g_->grad_mode()) return x;
+  // An identity whose backward gathers the layer first; its output a view of x.
+  Tensor y = g_->alias(x, x.numel);
+  g_->record({&y}, {}, [this, unit, x = meta(x)](const std::vector<Ref>& in) {
+    gate_->gather(unit);
+    return std::vector<Emit>{pass_to(x, in[0])};
+  });
+  return y;
+}
+
+Tensor LayerReplay::forward(int64_t rows) {
+  const int64_t t = s_.seq, tokens = rows * t, h = c_.hidden_size;
+  const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
+  const Param& embed = p("embed_tokens.weight");
+  if (gate_) gate_->gather(0);
+  Tensor x = embedding(embed, tokens, ew_, res_lbl);
+  if (c_.learned_positions) {
+    const Param& pos = p("embed_positions.weight");
+    Ref arange = mem_.allocate(t * 8, tmp_);
+    Tensor pe = make(t * h, ew_, tmp_);
+    g_->record({&pe}, {}, [this, &pos](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(pos.t)}; });
+    x = add(x, pe, res_lbl);
+  }
+  x = dropout(x, c_.embd_dropout, res_lbl);
+  Tensor cos, sin;
+  if (!c_.learned_positions) {
+    const int64_t rd = c_.rotary_dim;
+    const int lbl = act("rotary tables", "cos and sin, seq × rotary_dim");
+    Ref inv = mem_.allocate(rd / 2 * 4, tmp_), pos = mem_.allocate(t * 4, tmp_);
+    Ref freqs = mem_.allocate(t * rd / 2 * 4, tmp_), emb = mem_.allocate(t * rd * 4, tmp_);
+    cos = make(t * rd, 4, lbl, false);
+    sin = make(t * rd, 4, lbl, false);
+  }
+  for (int64_t i = 0; i < c_.num_layers; ++i) {
+    const int unit = 1 + static_cast<int>(i);
+    if (gate_) gate_->gather(unit);
+    if (s_.checkpointing.whole_layer(i) && g_->grad_mode()) {
+      x = checkpointed([this, i, cos, sin](const Tensor& in) { return block(i, in, cos, sin, false); }, x);
+    } else {
+      x = block(i, x, cos, sin, s_.checkpointing.attention_only());
+    }
+    if (gate_) {
+      gate_->forward_done(unit, g_->grad_mode());
+      x = gate_backward(x, unit);
+    }
+  }
+  x = norm(x, p("final_norm.weight"), maybe("final_norm.bias"));
+  const int logits_lbl = mem_.label("logits", Category::logits, "B·T·vocab in the matmul dtype");
+  Tensor logits = linear(x, c_.tie_word_embeddings ? embed : p("lm_head.weight"), nullptr, logits_lbl);
+  if (gate_) gate_->forward_done(0, g_->grad_mode());
+  return logits;
+}
+
+}  // namespace headroom::replay

@@ -1,0 +1,82 @@
+// LayerReplay — the model's forward on the operator models (estimate/ops.h), as CausalLM runs it:
+// its parameters (their shapes from the trainer's own model class on the meta device, so they match
+// the trainer's), and each family's layers operator by operator — the embeddings (learned positions
+// or rotary tables), attention (fused or separate q, k, v; the attention path), the MLP (gated or
+// not), the norms (layer norm or RMS norm), sequential or parallel residuals, the final norm and the
+// head — with what each operator saves for backward and activation checkpointing's recompute (whole
+// layers, or attention only).
+//
+// The step (estimate/step_replay.h) builds the model once and runs forward() per micro-batch. Under
+// full sharding a ShardGate (model/parameter_gate.h's ParameterGate, on the simulation) holds the
+// weights: the forward asks it for each unit before using it and says when it is done, and backward
+// asks for a layer again before it backpropagates through it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "estimate/estimator.h"
+#include "estimate/ops.h"
+#include "model/causal_lm.h"
+
+namespace headroom::replay {
+
+// Units as CausalLM::parameter_units() numbers them: 0 the embeddings, final norm and head, 1 + i
+// layer i.
+class ShardGate {
+ public:
+  virtual ~ShardGate() = default;
+  // The unit's parameters are all-gathered (a no-op while they are).
+  virtual void gather(int unit) = 0;
+  // The forward has finished with the unit; `recording`: gradients are being recorded.
+  virtual void forward_done(int unit, bool recording) = 0;
+};
+
+class LayerReplay : protected sim::Ops {
+ public:
+  LayerReplay(const ModelConfig& c, const TrainSpec& s);
+
+ protected:
+  // Full sharding: the parameters hold nothing between uses; `gate` gathers them. Before
+  // construct_model().
+  void set_gate(ShardGate* gate) { gate_ = gate; }
+  // As CausalLM's constructor: the parameters in registration order, then their float32
+  // initialisation copies, one at a time.
+  void construct_model();
+  // CausalLM::forward over `rows` sequences: the logits.
+  sim::Tensor forward(int64_t rows);
+
+  const ModelConfig& c_;
+  const TrainSpec& s_;
+  int ew_;  // parameter bytes
+  int weights_, grads_;
+  std::map<std::string, sim::Param> params_;
+  std::vector<std::string> order_;    // parameter names in registration order
+  std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
+
+ private:
+  sim::Tensor attention_block(int64_t layer, const sim::Tensor& x, const sim::Tensor& cos, const sim::Tensor& sin);
+  sim::Tensor mlp_block(int64_t layer, const sim::Tensor& x);
+  // One decoder layer; `selective`: its attention is checkpointed (the layer itself is not).
+  sim::Tensor block(int64_t layer, const sim::Tensor& x, const sim::Tensor& cos, const sim::Tensor& sin,
+                    bool selective);
+  // fn(x) under activation checkpointing: run without recording, recomputed in backward.
+  sim::Tensor checkpointed(const std::function<sim::Tensor(const sim::Tensor&)>& fn, const sim::Tensor& x);
+  // An identity whose backward has the gate gather `unit` first.
+  sim::Tensor gate_backward(const sim::Tensor& x, int unit);
+
+  const sim::Param& p(const std::string& name) const;
+  const sim::Param* maybe(const std::string& name) const;
+  sim::Tensor norm(const sim::Tensor& x, const sim::Param& w, const sim::Param* b) {
+    return c_.norm == NormKind::layer_norm ? layer_norm(x, w, b) : rms_norm(x, w);
+  }
+
+  ShardGate* gate_ = nullptr;
+};
+
+}  // namespace headroom::replay

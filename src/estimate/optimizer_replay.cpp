@@ -1,0 +1,148 @@
+#include "estimate/optimizer_replay.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "optim/optimizer.h"
+
+namespace headroom::replay {
+
+using sim::Category;
+using sim::Ref;
+
+OptimizerReplay::OptimizerReplay(sim::Memory& memory, const TrainSpec& s, const std::map<std::string, sim::Param>& params,
+                                 const std::vector<std::string>& order, const DataParallelReplay& dp, int ew)
+    : mem_(memory), s_(s), params_(params), order_(order), dp_(dp), ew_(ew) {}
+
+std::string OptimizerReplay::state_formula() const {
+  std::string formula;
+  const std::string per = fmt::format("{} B", ew_);
+  switch (s_.optimizer) {
+    case OptimizerKind::sgd: formula = "none"; break;
+    case OptimizerKind::momentum: formula = "momentum buffer: parameters × " + per; break;
+    case OptimizerKind::adam:
+    case OptimizerKind::adamw:
+      formula = "two moments: 2 × parameters × " + per + ", and a step counter per tensor";
+      break;
+    case OptimizerKind::adagrad:
+      formula = "sum of squares: parameters × " + per + ", and a step counter per tensor";
+      break;
+    case OptimizerKind::adafactor:
+      formula = "float32 row and column second moments per matrix, full ones per vector, step counters";
+      break;
+  }
+  if (dp_.sharded() && s_.optimizer != OptimizerKind::sgd) {
+    formula += fmt::format(", of this rank's slices (ceil(n / {}) elements of each parameter)", s_.world);
+  }
+  return formula;
+}
+
+std::vector<Ref> OptimizerReplay::make_state(const CausalLM& shapes) {
+  const int st = mem_.label("optimizer state", Category::optimizer, state_formula());
+  const int working =
+      mem_.label("optimizer working memory", Category::optimizer,
+                 "scratch the optimizer keeps between steps (adafactor: float32, the largest parameter or the "
+                 "rows its slice touches, and each matrix's row and column sums)");
+  // The trainer's own optimizer class, built over the meta-device parameters: its state tensors
+  // are what the trainer allocates, tensor by tensor, and nothing is allocated here.
+  std::vector<Ref> state;
+  {
+    // Sharded: rank 0's slices of each parameter (the first ceil(n / N) elements), as the trainer's
+    // DataParallel hands them to the optimizer.
+    std::vector<NamedTensor> owned = shapes.parameters();
+    OptimizerOptions options;
+    if (dp_.sharded()) {
+      options.sharding.emplace();
+      for (auto& t : owned) {
+        const int64_t n = t.tensor.numel();
+        options.sharding->parameters.push_back({t.name, t.tensor.sizes().vec(), 0, std::min(dp_.chunk(n), n)});
+        t.tensor = t.tensor.view(-1).narrow(0, 0, std::min(dp_.chunk(n), n));
+      }
+    }
+    const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, owned, options);
+    for (const NamedTensor& t : real->state())
+      state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), st));
+    for (const at::Tensor& t : real->working_memory()) {
+      state.push_back(mem_.allocate(static_cast<int64_t>(t.nbytes()), working));
+    }
+  }
+  return state;
+}
+
+void OptimizerReplay::update_temporaries() {
+  clipping_temporaries();
+  if (s_.optimizer_impl == OptimizerImpl::torch) torch_update_temporaries();
+  if (s_.optimizer == OptimizerKind::adafactor && ew_ != 4 && !s_.cuda) adafactor_temporaries();
+}
+
+// Gradient clipping's norm: one partial per gradient, stacked, and the total (fp16: the scaler's
+// found-inf flag too).
+void OptimizerReplay::clipping_temporaries() {
+  const int lbl = mem_.label("optimizer temporaries", Category::temporaries,
+                             "gradient-norm partials for clipping, per-matrix factor statistics");
+  std::vector<Ref> norms;
+  for (size_t i = 0; i < order_.size(); ++i) norms.push_back(mem_.allocate(4, lbl));
+  Ref stacked = mem_.allocate(static_cast<int64_t>(order_.size()) * 4, lbl);
+  Ref total = mem_.allocate(4, lbl);
+  if (s_.precision == Precision::fp16_mixed) Ref found_inf = mem_.allocate(4, lbl);
+}
+
+// torch.optim's update where it allocates and headroom's does not (the rest is in place in both):
+// Adam and AdamW compute the denominator as exp_avg_sq.sqrt() / bias_correction, Adagrad as
+// state_sum.sqrt(), each a new tensor. Single-tensor (torch's default on cpu): parameter by
+// parameter, the square root and the quotient exist together, while the previous parameter's
+// denominator is still bound to its Python name; foreach (the default on cuda): the square roots of
+// every parameter's state at once (Adagrad: and the scaled gradients). Not modelled: the gradient
+// copy that non-decoupled weight decay makes (Adam, Adagrad, SGD with weight_decay > 0; off by
+// default), and torch's own Adafactor (headroom's is predicted).
+void OptimizerReplay::torch_update_temporaries() {
+  const bool adam = is_adam_family(s_.optimizer);
+  if (!adam && s_.optimizer != OptimizerKind::adagrad) return;  // sgd, momentum: in place; adafactor: headroom's
+  const int lbl = mem_.label(
+      "torch.optim denominators", Category::temporaries,
+      s_.cuda ? "foreach: sqrt of every parameter's state at once, parameters × " + std::to_string(ew_) + " B"
+              : "single-tensor: sqrt(state) and its quotient for one parameter, and the "
+                "previous parameter's denominator");
+  auto bytes = [&](const std::string& name) {
+    const int64_t n = params_.at(name).t.numel;
+    return (dp_.sharded() ? std::min(dp_.chunk(n), n) : n) * ew_;
+  };
+  if (s_.cuda) {
+    std::vector<Ref> roots, numerators;
+    for (const auto& name : order_) roots.push_back(mem_.allocate(bytes(name), lbl));
+    // Adagrad's foreach update also scales every gradient into a new tensor while the roots live.
+    if (!adam) {
+      for (const auto& name : order_) numerators.push_back(mem_.allocate(bytes(name), lbl));
+    }
+    return;
+  }
+  Ref denominator;
+  for (const auto& name : order_) {
+    Ref root = mem_.allocate(bytes(name), lbl);
+    if (adam) {
+      Ref quotient = mem_.allocate(bytes(name), lbl);
+      root.reset();
+      denominator = std::move(quotient);  // the previous one goes as the name is rebound
+    } else {
+      denominator = std::move(root);
+    }
+  }
+}
+
+// Adafactor works in its scratch and statistics buffers (working memory). 2-byte parameters on
+// the CPU: the update's in-place ops mix the float32 scratch with the bf16 gradient and parameter,
+// and the CPU kernels cast to float32 copies first — the parameter's update
+// (param += update · -alpha) holds two of its part's size at once.
+void OptimizerReplay::adafactor_temporaries() {
+  const int lbl = mem_.label("optimizer temporaries", Category::temporaries);
+  for (const auto& name : order_) {
+    const int64_t n = params_.at(name).t.numel, part = dp_.sharded() ? std::min(dp_.chunk(n), n) : n;
+    Ref upcast = mem_.allocate(part * 4, lbl), result = mem_.allocate(part * 4, lbl);
+  }
+}
+
+}  // namespace headroom::replay

@@ -1,0 +1,145 @@
+#include "estimate/step_replay.h"
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+#include "estimate/reserved.h"
+#include "memory/phase.h"
+
+namespace headroom::replay {
+namespace {
+
+using sim::Category;
+using sim::Param;
+using sim::Ref;
+using sim::Tensor;
+
+constexpr int64_t kCublasWorkspaceBytes = int64_t{4096} * 1024 * 8;
+
+}  // namespace
+
+StepReplay::StepReplay(const ModelConfig& c, const TrainSpec& s)
+    : LayerReplay(c, s), dp_(mem_, s_, params_, order_, ew_), optimizer_(mem_, s_, params_, order_, dp_, ew_) {
+  if (s.cuda) {
+    mem_.set_rounding(512, mem_.label("allocator rounding", Category::allocator,
+                                      "the CUDA caching allocator rounds every block up to 512 bytes"));
+  }
+  // full: the weights are this rank's slices, all-gathered unit by unit as the layers use them.
+  if (dp_.fully_sharded()) set_gate(&dp_);
+}
+
+Estimate StepReplay::run() {
+  setup();
+  // Optimizer state, made when the optimizer is constructed (before the first step).
+  const std::vector<Ref> state = optimizer_.make_state(*shapes_);
+  if (s_.cuda) reserve_cublas_workspace();
+  const size_t step_begin = mem_.events().size();
+  micro_batch(s_.batch);
+  if (s_.accum > 1) micro_batch(s_.batch);  // the second sees the first's gradients
+  const CategoryBytes at_update = optimizer_phase();
+  zero_grad_phase();
+  return result(at_update, step_begin);
+}
+
+void StepReplay::setup() {
+  if (!s_.cuda && s_.dataset_bytes > 0) load_corpus();
+  construct_model();
+  dp_.prepare(*shapes_);
+}
+
+// As TextDataset loads it: the whole corpus, then its train and held-out parts cloned out of it
+// (10% held out), then the whole freed. Live bytes end where they began; a caching allocator's
+// blocks do not.
+void StepReplay::load_corpus() {
+  const int lbl = mem_.label("dataset", Category::other, "the corpus in host memory, 1 B per token");
+  const int64_t n = s_.dataset_bytes, held_out = static_cast<int64_t>(static_cast<double>(n) * 0.1);
+  Ref all = mem_.allocate(n, lbl);
+  dataset_ = mem_.allocate(n - held_out, lbl);
+  dataset_eval_ = mem_.allocate(held_out, lbl);
+}
+
+// cuBLAS takes its workspace from the caching allocator at the first matmul and keeps it:
+// 4096 KiB x 8 on sm90 and newer (PyTorch's default CUBLAS_WORKSPACE_CONFIG there; cuBLASLt
+// shares it). Made here, before the step, so that a replayed second step does not make another.
+void StepReplay::reserve_cublas_workspace() {
+  workspace_ = mem_.allocate(kCublasWorkspaceBytes,
+                             mem_.label("cuBLAS workspace", Category::allocator,
+                                        "4096 KiB x 8 (sm90+ default of CUBLAS_WORKSPACE_CONFIG), from the "
+                                        "caching allocator at the first matmul; 8.1 MiB on older GPUs"));
+}
+
+void StepReplay::micro_batch(int64_t rows) {
+  const int64_t t = s_.seq;
+  const int batch_lbl = mem_.label("batch", Category::other, "token ids, B·(T+1) int64, and the targets' copy");
+  const int loss_lbl = mem_.label("loss buffers", Category::loss,
+                                  "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient");
+  mem_.set_phase(Phase::data);
+  dp_.start_micro_batch();
+  Ref batch = mem_.allocate(rows * (t + 1) * 8, batch_lbl);
+  backward_phase(forward_phase(rows, batch_lbl, loss_lbl));
+}
+
+Tensor StepReplay::forward_phase(int64_t rows, int batch_lbl, int loss_lbl) {
+  const int64_t tokens = rows * s_.seq, vocab = c_.vocab_size;
+  mem_.set_phase(Phase::forward);
+  std::map<const Param*, Tensor> cache;
+  cache_ = &cache;
+  Tensor loss = token_loss(forward(rows), tokens, vocab, batch_lbl, loss_lbl);
+  cache.clear();
+  cache_ = nullptr;
+  return loss;
+}
+
+void StepReplay::backward_phase(Tensor loss) {
+  mem_.set_phase(Phase::backward);
+  Tensor root = scale(loss, tmp_);
+  if (s_.precision == Precision::fp16_mixed) root = scale(root, tmp_);
+  loss = Tensor{};
+  g_->backward(root);
+  root = Tensor{};
+  dp_.after_backward();
+}
+
+StepReplay::CategoryBytes StepReplay::optimizer_phase() {
+  mem_.set_phase(Phase::optimizer);
+  CategoryBytes at_update{};
+  for (size_t i = 0; i < mem_.labels().size(); ++i) {
+    at_update[static_cast<size_t>(mem_.labels()[i].category)] += mem_.live_under(static_cast<int>(i));
+  }
+  dp_.before_update();
+  optimizer_.update_temporaries();
+  dp_.after_update();
+  return at_update;
+}
+
+void StepReplay::zero_grad_phase() {
+  mem_.set_phase(Phase::zero_grad);
+  for (auto& [name, prm] : params_) prm.t.slot->grad.reset();
+}
+
+Estimate StepReplay::result(const CategoryBytes& at_update, size_t step_begin) const {
+  Estimate e;
+  e.cuda = s_.cuda;
+  e.model = c_.name;
+  e.params = count_parameters(c_);
+  const auto& peak = mem_.peak();
+  e.peak_bytes = peak.bytes;
+  e.peak_phase = peak.phase;
+  e.phase_peaks = mem_.phase_peaks();
+  e.at_update = at_update;
+  const auto& labels = mem_.labels();
+  for (size_t i = 0; i < labels.size(); ++i) {
+    const int64_t bytes = i < peak.by_label.size() ? peak.by_label[i] : 0;
+    e.breakdown[static_cast<size_t>(labels[i].category)] += bytes;
+    if (bytes > 0) e.items.push_back({labels[i].name, labels[i].category, bytes, labels[i].formula});
+  }
+  std::stable_sort(e.items.begin(), e.items.end(),
+                   [](const EstimateItem& a, const EstimateItem& b) { return a.bytes > b.bytes; });
+  // Two steps, as the cache reaches its steady state in the second (the first's free blocks are
+  // what the second finds).
+  if (s_.caching) e.reserved = replay_reserved(mem_.events(), step_begin, 2, *s_.caching, s_.budget);
+  return e;
+}
+
+}  // namespace headroom::replay

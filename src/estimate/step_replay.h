@@ -1,0 +1,52 @@
+// StepReplay — one training step of the trainer replayed on the simulation, phase by phase as
+// train()'s step loop runs it: the setup (the corpus in host memory, the model, data parallel's
+// buffers, the optimizer's state, cuBLAS's workspace), then each micro-batch (data, forward with its
+// loss, backward), the optimizer phase (the update and its temporaries) and zero_grad. The model is
+// estimate/layer_replay.h, data parallel estimate/data_parallel_replay.h, the optimizer
+// estimate/optimizer_replay.h; what it returns is the Estimate of estimate/estimator.h, with the peak
+// of the whole timeline and, with a caching allocator, the reserved memory its allocations lead to.
+//
+// One replay per estimate: run() once.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "config/model_config.h"
+#include "estimate/data_parallel_replay.h"
+#include "estimate/estimator.h"
+#include "estimate/layer_replay.h"
+#include "estimate/optimizer_replay.h"
+#include "estimate/sim.h"
+
+namespace headroom::replay {
+
+class StepReplay : LayerReplay {
+ public:
+  StepReplay(const ModelConfig& c, const TrainSpec& s);
+
+  Estimate run();
+
+ private:
+  using CategoryBytes = std::array<int64_t, sim::kCategories>;
+
+  void setup();
+  void load_corpus();
+  void reserve_cublas_workspace();
+  void micro_batch(int64_t rows);
+  // The forward and the loss of `rows` sequences, under one autocast scope.
+  sim::Tensor forward_phase(int64_t rows, int batch_lbl, int loss_lbl);
+  void backward_phase(sim::Tensor loss);
+  // Returns live bytes by category as the update finds them.
+  CategoryBytes optimizer_phase();
+  void zero_grad_phase();
+  // The estimate from the replay: the peak and what it held; `step_begin`: the step's first event.
+  Estimate result(const CategoryBytes& at_update, size_t step_begin) const;
+
+  DataParallelReplay dp_;
+  OptimizerReplay optimizer_;
+  sim::Ref dataset_, dataset_eval_;
+  sim::Ref workspace_;  // cuda: cuBLAS's
+};
+
+}  // namespace headroom::replay
