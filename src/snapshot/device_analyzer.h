@@ -28,6 +28,7 @@
 #include "snapshot/sites.h"
 #include "snapshot/snapshot_analysis.h"
 #include "snapshot/trace_accounting.h"
+#include "util/error.h"
 
 namespace headroom::snapshot_analysis {
 
@@ -48,7 +49,11 @@ class DeviceAnalyzer {
   };
 
   // ---- the final state and pass 1 (snapshot_analysis.cpp) ----
-  void add_checked(int64_t& acc, int64_t v, const char* what) const;
+  void add_checked(int64_t& acc, int64_t v, const char* what) const {
+    if (__builtin_add_overflow(acc, v, &acc) || acc > kMaxSum || acc < -kMaxSum) {
+      fail("device {}: {} add up to more than 2^60 bytes; not a memory snapshot of a device", r_.device, what);
+    }
+  }
   void final_state();
   void pass_totals();
   void state_at_start();

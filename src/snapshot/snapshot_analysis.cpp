@@ -41,12 +41,6 @@ DeviceAnalysis DeviceAnalyzer::run() {
   return std::move(r_);
 }
 
-void DeviceAnalyzer::add_checked(int64_t& acc, int64_t v, const char* what) const {
-  if (__builtin_add_overflow(acc, v, &acc) || acc > kMaxSum || acc < -kMaxSum) {
-    fail("device {}: {} add up to more than 2^60 bytes; not a memory snapshot of a device", r_.device, what);
-  }
-}
-
 // The segments: the state after the last event.
 void DeviceAnalyzer::final_state() {
   for (const SnapshotSegment& seg : s_.segments) {

@@ -81,17 +81,89 @@ using Action = GuardAction;
 int encode(Action a, int rank) { return (static_cast<int>(a) << 16) | (rank + 1); }
 Action action_of(int code) { return static_cast<Action>(code >> 16); }
 int rank_of(int code) { return (code & 0xffff) - 1; }
-}  // namespace
 
-GuardedStep OomGuard::run(int64_t step) {
+// --shard full's rehearsal of the ranks' collectives, before the step: out of memory in it is
+// nothing the guard can lower.
+void rehearse_or_fail(Run& run, int64_t step) {
   try {
-    rehearse_collectives(run_, step);
+    rehearse_collectives(run, step);
   } catch (const c10::OutOfMemoryError& e) {
     fail(
         "rank {}: out of memory in a one-row micro-batch (--shard full's rehearsal of the ranks' collectives): {}; "
         "accepted: a shorter --seq, or more memory",
-        run_.rank(), first_line(e.what_without_backtrace()));
+        run.rank(), first_line(e.what_without_backtrace()));
   }
+}
+
+// A caching allocator's state, before the failed step's gradients are released (its activations
+// went with the unwound stack: the cpu allocator's own record has the figures at the failure).
+std::optional<CacheState> cache_state_at_oom(MemoryProbe& probe, const c10::OutOfMemoryError& e) {
+  std::optional<CacheState> cache;
+  const auto event = probe.last_oom();
+  // An injected fault says nothing about the allocator's segments.
+  if (const auto st = probe.allocator_state(); st && !(event && event->injected)) {
+    cache = CacheState{st->allocated, st->reserved, st->inactive_split,
+                       event ? event->requested : requested_bytes_of(e.what_without_backtrace()),
+                       st->expandable_segments, probe.budget().value_or(-1)};
+    if (event && event->caching) {
+      cache->allocated = event->caching->allocated;
+      cache->reserved = event->caching->reserved;
+    }
+  }
+  return cache;
+}
+
+// Another rank ran out of memory (`code`, agreed); this one's micro-batch went well but is part of
+// a failed step, whose gradients it drops.
+OomReport peer_failure_report(Run& run, int code, int64_t step, int64_t micro) {
+  OomReport report;
+  report.step = step + 1;
+  report.phase = run.monitor->last_phase();
+  report.micro_batch = micro;
+  report.rank = rank_of(code);
+  report.elsewhere = true;
+  report.message = fmt::format("rank {} ran out of memory", report.rank);
+  run.replicas->zero_grad();
+  run.monitor->abort_step();
+  report.live_after_cleanup = run.probe->live_bytes();
+  return report;
+}
+
+// Fragmentation, not size: the same micro-batch again, in expandable segments.
+void retry_in_expandable_segments(Run& run, bool quiet, int64_t step, int64_t micro, int code,
+                                  const std::string& why) {
+  if (run.probe->allocator_state()) run.probe->enable_expandable_segments();
+  if (!quiet) {
+    fmt::print(stderr, "step {}: out of memory with micro-batch {}{}: {}; expandable segments on, same micro-batch again\n",
+               step + 1, micro, run.replicas ? fmt::format(" on rank {}", rank_of(code)) : "",
+               why.empty() ? "fragmentation" : why);
+  }
+}
+
+// The micro-batch the step runs again with (half of `micro`), announced.
+int64_t halve_micro_batch(const Run& run, bool quiet, int64_t step, int64_t micro, int64_t rows, int code,
+                          const OomReport& report) {
+  const int64_t smaller = halved_micro(micro);
+  if (!quiet) {
+    const std::string where = run.replicas ? fmt::format("on rank {}", rank_of(code))
+                                           : fmt::format("in {}", phase_name(report.phase));
+    fmt::print(stderr, "step {}: out of memory {} with micro-batch {}{}; {} the step again as {} x {}\n", step + 1,
+               where, micro, report.elsewhere ? "" : fmt::format(" ({} in use)", format_bytes(report.in_use)),
+               run.replicas ? "every rank runs" : "running", smaller, accumulation_for(rows, smaller));
+  }
+  return smaller;
+}
+
+// Segments cut for the old shapes: returned once if enough of the reservation is idle.
+void release_cache_after_reshape(MemoryProbe& probe) {
+  if (const auto st = probe.allocator_state(); st && empty_cache_after_reshape(st->allocated, st->reserved)) {
+    probe.empty_cache();
+  }
+}
+}  // namespace
+
+GuardedStep OomGuard::run(int64_t step) {
+  rehearse_or_fail(run_, step);
   const InjectionScope injection(run_.config.inject_oom, step, run_.rank());
   const bool quiet = run_.config.quiet || run_.rank() != 0;
   DataParallel* replicas = run_.replicas.get();
@@ -108,20 +180,7 @@ GuardedStep OomGuard::run(int64_t step) {
       g.accum = shape.accum();
       return g;
     } catch (const c10::OutOfMemoryError& e) {
-      // A caching allocator's state, before the failed step's gradients are released (its activations
-      // went with the unwound stack: the cpu allocator's own record has the figures at the failure).
-      std::optional<CacheState> cache;
-      const auto event = run_.probe->last_oom();
-      // An injected fault says nothing about the allocator's segments.
-      if (const auto st = run_.probe->allocator_state(); st && !(event && event->injected)) {
-        cache = CacheState{st->allocated, st->reserved, st->inactive_split,
-                           event ? event->requested : requested_bytes_of(e.what_without_backtrace()),
-                           st->expandable_segments, run_.probe->budget().value_or(-1)};
-        if (event && event->caching) {
-          cache->allocated = event->caching->allocated;
-          cache->reserved = event->caching->reserved;
-        }
-      }
+      const std::optional<CacheState> cache = cache_state_at_oom(*run_.probe, e);
       // Past the ranks' last agreement (in the update) the others are inside collectives this rank
       // will not join: it cannot re-run the step, and they learn of it when it exits.
       const bool updating = g.outcome.update_started || g.outcome.agreed;
@@ -135,17 +194,8 @@ GuardedStep OomGuard::run(int64_t step) {
         code = replicas->agree(code);
       }
     } catch (const PeerFailure& peer) {
-      // Another rank ran out of memory; this one's micro-batch went well but is part of a failed step.
       code = peer.code;
-      report.step = step + 1;
-      report.phase = run_.monitor->last_phase();
-      report.micro_batch = micro_;
-      report.rank = rank_of(code);
-      report.elsewhere = true;
-      report.message = fmt::format("rank {} ran out of memory", report.rank);
-      replicas->zero_grad();
-      run_.monitor->abort_step();
-      report.live_after_cleanup = run_.probe->live_bytes();
+      report = peer_failure_report(run_, code, step, micro_);
     }
     // Every rank acts on the agreed outcome; a rank that failed itself keeps its own report.
     const Action action = action_of(code);
@@ -155,28 +205,11 @@ GuardedStep OomGuard::run(int64_t step) {
     }
     ++g.recoveries;
     if (action == Action::again) {
-      // Fragmentation, not size: the same micro-batch again, in expandable segments.
-      if (run_.probe->allocator_state()) run_.probe->enable_expandable_segments();
-      if (!quiet) {
-        fmt::print(stderr, "step {}: out of memory with micro-batch {}{}: {}; expandable segments on, same micro-batch again\n",
-                   step + 1, micro_, replicas ? fmt::format(" on rank {}", rank_of(code)) : "",
-                   why.empty() ? "fragmentation" : why);
-      }
+      retry_in_expandable_segments(run_, quiet, step, micro_, code, why);
       continue;
     }
-    const int64_t smaller = halved_micro(micro_);
-    if (!quiet) {
-      const std::string where = replicas ? fmt::format("on rank {}", rank_of(code))
-                                         : fmt::format("in {}", phase_name(report.phase));
-      fmt::print(stderr, "step {}: out of memory {} with micro-batch {}{}; {} the step again as {} x {}\n", step + 1,
-                 where, micro_, report.elsewhere ? "" : fmt::format(" ({} in use)", format_bytes(report.in_use)),
-                 replicas ? "every rank runs" : "running", smaller, accumulation_for(rows_, smaller));
-    }
-    micro_ = smaller;
-    // Segments cut for the old shapes: returned once if enough of the reservation is idle.
-    if (const auto st = run_.probe->allocator_state(); st && empty_cache_after_reshape(st->allocated, st->reserved)) {
-      run_.probe->empty_cache();
-    }
+    micro_ = halve_micro_batch(run_, quiet, step, micro_, rows_, code, report);
+    release_cache_after_reshape(*run_.probe);
   }
 }
 

@@ -44,8 +44,16 @@ Run::~Run() {
   }
 }
 
-MadeRun make_run(const RunConfig& cfg) {
-  validate(cfg);
+namespace {
+
+// Where the run goes: the device asked for, or under torchrun this rank's own card (LOCAL_RANK),
+// made the current one.
+struct Placement {
+  c10::Device device;
+  std::optional<WorldEnv> world;  // launched by torchrun
+};
+
+Placement place_run(const RunConfig& cfg) {
   c10::Device device = resolve_device(cfg.device);
   // Under torchrun: this rank's place in the job, and on cuda its own card (LOCAL_RANK).
   const std::optional<WorldEnv> world = world_from_environment();
@@ -66,6 +74,11 @@ MadeRun make_run(const RunConfig& cfg) {
     device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world->local_rank));
     cuda_set_device(world->local_rank);
   }
+  return {device, world};
+}
+
+// The allocator and fault-injection options this device can honour.
+void check_allocator_options(const RunConfig& cfg, const c10::Device& device) {
   if (cfg.allocator == AllocatorKind::caching && !device.is_cuda() && cfg.allocator_conf.empty()) {
     parse_allocator_config(allocator_config_from_environment(), "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF");
   }
@@ -76,14 +89,12 @@ MadeRun make_run(const RunConfig& cfg) {
   }
   if (cfg.inject_oom && device.is_cuda())
     fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
+}
 
-  if (!device.is_cuda()) at::set_num_threads(cpu_threads_for_run(cfg.threads));
-  auto run = std::make_unique<Run>(cfg, device);
-  if (distributed) {
-    run->comm = std::make_unique<Communicator>(*world, device, std::chrono::seconds(cfg.dist_timeout));
-  }
-  run->model_config = load_model_config(cfg.model, cfg.overrides);
-  const ModelConfig& mc = run->model_config;
+// The model's config, checked against the byte tokenizer and --seq, then the data.
+void load_model_config_and_data(Run& run, const RunConfig& cfg) {
+  run.model_config = load_model_config(cfg.model, cfg.overrides);
+  const ModelConfig& mc = run.model_config;
   if (mc.vocab_size < kByteVocabulary) {
     fail("{}: vocab_size {} is smaller than the byte tokenizer's {}; set --set vocab_size=256 or more", mc.name,
          mc.vocab_size, kByteVocabulary);
@@ -91,11 +102,12 @@ MadeRun make_run(const RunConfig& cfg) {
   if (cfg.seq > mc.max_positions) {
     fail("--seq {} exceeds {}'s max_position_embeddings {}", cfg.seq, mc.name, mc.max_positions);
   }
-  run->data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
+  run.data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
+}
 
-  const c10::ScalarType dtype = parameter_dtype(cfg.precision);
-  // Weights that cannot fit the device at all are refused before a byte is allocated (an allocation
-  // that large would fail late, or push the machine into swap).
+// Weights that cannot fit the device at all are refused before a byte is allocated (an allocation
+// that large would fail late, or push the machine into swap).
+void refuse_weights_beyond_device(const ModelConfig& mc, c10::ScalarType dtype, const c10::Device& device) {
   const int64_t weight_bytes = count_parameters(mc) * static_cast<int64_t>(c10::elementSize(dtype));
   if (const auto available = device_memory_available(device); available && weight_bytes > *available) {
     throw DoesNotFit(fmt::format(
@@ -104,69 +116,114 @@ MadeRun make_run(const RunConfig& cfg) {
         mc.name, format_bytes(weight_bytes), count_parameters(mc), c10::toString(dtype), device.str(),
         format_bytes(*available)));
   }
+}
+
+// The model's weights; under --shard full the rank's slices of them, which it keeps as the model is
+// built, so that no more than one parameter is ever whole (returned; empty otherwise).
+std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarType dtype) {
+  std::vector<at::Tensor> slices;
+  CausalLM::KeepParameter keep;
+  if (run.comm && cfg.shard == ShardLevel::full) {
+    keep = [&slices, rank = run.comm->rank(), ranks = run.comm->size()](const NamedTensor& p) {
+      slices.push_back(DataParallel::weight_slice(p.tensor, rank, ranks));
+    };
+  }
+  run.model =
+      std::make_unique<CausalLM>(run.model_config, at::TensorOptions().dtype(dtype).device(run.device), cfg.seed, keep);
+  return slices;
+}
+
+// With ranks, what the step shares with them (taking the weight slices); then the optimizer, over
+// this rank's parameters.
+void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> slices) {
+  OptimizerOptions options;
+  options.weight_decay = cfg.weight_decay_value();
+  if (run.comm) {
+    run.replicas = std::make_unique<DataParallel>(*run.comm, run.model->parameters(), cfg.shard,
+                                                  run.model->parameter_units(), std::move(slices));
+    DataParallel* replicas = run.replicas.get();
+    run.forward.gate = replicas->gate();
+    options.sharding = replicas->optimizer_sharding();
+    replicas->tag_allocations_with([probe = run.probe.get()](AllocationTag tag) { probe->set_tag(tag); });
+  }
+  run.optimizer = make_optimizer(
+      cfg.optimizer, run.replicas ? run.replicas->optimizer_parameters() : run.model->parameters(), options);
+}
+
+// An out-of-memory while allocating the weights or the optimizer state, as the report says it.
+OomReport setup_oom_report(const Run& run, const c10::OutOfMemoryError& e, c10::ScalarType dtype) {
+  OomReport r;
+  r.during_setup = true;
+  r.message = first_line(e.what_without_backtrace());
+  r.budget = run.probe->budget().value_or(-1);
+  const auto event = run.probe->last_oom();
+  r.in_use = event ? event->live : run.probe->live_bytes();
+  r.requested = event ? event->requested : -1;
+  r.breakdown.weights = count_parameters(run.model_config) * static_cast<int64_t>(c10::elementSize(dtype));
+  return r;
+}
+
+// The weights and the optimizer state, under the budget; an out-of-memory is reported, with what
+// had been built released.
+std::optional<OomReport> build_model_and_optimizer(Run& run, const RunConfig& cfg, c10::ScalarType dtype) {
+  try {
+    build_optimizer(run, cfg, build_model(run, cfg, dtype));
+  } catch (const c10::OutOfMemoryError& e) {
+    OomReport r = setup_oom_report(run, e, dtype);
+    run.optimizer.reset();
+    run.replicas.reset();
+    run.model.reset();
+    return r;
+  }
+  return std::nullopt;
+}
+
+// What the monitor's breakdown names: the weights, the gradients, the optimizer state.
+TrackedTensors tracked_tensors(Run* r) {
+  return TrackedTensors{[r] {
+                          std::vector<at::Tensor> weights = r->model->parameter_tensors();
+                          if (r->replicas)
+                            for (const auto& t : r->replicas->weight_slices()) weights.push_back(t);
+                          return weights;
+                        },
+                        [r] {
+                          std::vector<at::Tensor> grads;
+                          for (const auto& p : r->parameters()) grads.push_back(p.tensor.grad());
+                          if (r->replicas)
+                            for (const auto& t : r->replicas->gradient_buffers()) grads.push_back(t);
+                          return grads;
+                        },
+                        [r] {
+                          std::vector<at::Tensor> state;
+                          for (const auto& s : r->optimizer->state()) state.push_back(s.tensor);
+                          for (const auto& t : r->optimizer->working_memory()) state.push_back(t);
+                          return state;
+                        }};
+}
+
+}  // namespace
+
+MadeRun make_run(const RunConfig& cfg) {
+  validate(cfg);
+  const Placement placement = place_run(cfg);
+  const c10::Device& device = placement.device;
+  check_allocator_options(cfg, device);
+
+  if (!device.is_cuda()) at::set_num_threads(cpu_threads_for_run(cfg.threads));
+  auto run = std::make_unique<Run>(cfg, device);
+  if (placement.world) {
+    run->comm = std::make_unique<Communicator>(*placement.world, device, std::chrono::seconds(cfg.dist_timeout));
+  }
+  load_model_config_and_data(*run, cfg);
+
+  const c10::ScalarType dtype = parameter_dtype(cfg.precision);
+  refuse_weights_beyond_device(run->model_config, dtype, device);
   // The budget applies from here: the model and optimizer state must fit in it too.
   run->probe->set_budget(cfg.memory_budget);
-  try {
-    // --shard full: the rank keeps its slice of each parameter as the model is built, so that no
-    // more than one parameter is ever whole.
-    std::vector<at::Tensor> slices;
-    CausalLM::KeepParameter keep;
-    if (run->comm && cfg.shard == ShardLevel::full) {
-      keep = [&slices, rank = run->comm->rank(), ranks = run->comm->size()](const NamedTensor& p) {
-        slices.push_back(DataParallel::weight_slice(p.tensor, rank, ranks));
-      };
-    }
-    run->model = std::make_unique<CausalLM>(mc, at::TensorOptions().dtype(dtype).device(device), cfg.seed, keep);
-    OptimizerOptions options;
-    options.weight_decay = cfg.weight_decay_value();
-    if (run->comm) {
-      run->replicas = std::make_unique<DataParallel>(*run->comm, run->model->parameters(), cfg.shard,
-                                                     run->model->parameter_units(), std::move(slices));
-      DataParallel* replicas = run->replicas.get();
-      run->forward.gate = replicas->gate();
-      options.sharding = replicas->optimizer_sharding();
-      replicas->tag_allocations_with([probe = run->probe.get()](AllocationTag tag) { probe->set_tag(tag); });
-    }
-    run->optimizer = make_optimizer(
-        cfg.optimizer, run->replicas ? run->replicas->optimizer_parameters() : run->model->parameters(), options);
-  } catch (const c10::OutOfMemoryError& e) {
-    OomReport r;
-    r.during_setup = true;
-    r.message = first_line(e.what_without_backtrace());
-    r.budget = run->probe->budget().value_or(-1);
-    const auto event = run->probe->last_oom();
-    r.in_use = event ? event->live : run->probe->live_bytes();
-    r.requested = event ? event->requested : -1;
-    r.breakdown.weights = count_parameters(mc) * static_cast<int64_t>(c10::elementSize(dtype));
-    run->optimizer.reset();
-    run->replicas.reset();
-    run->model.reset();
-    return {nullptr, r};
-  }
+  if (std::optional<OomReport> oom = build_model_and_optimizer(*run, cfg, dtype)) return {nullptr, std::move(*oom)};
   if (cfg.precision == Precision::fp16_mixed) run->scaler.emplace(device);
   run->schedule = LrSchedule{cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps(), cfg.steps};
-
-  Run* r = run.get();
-  run->monitor = std::make_unique<MemoryMonitor>(
-      *run->probe, TrackedTensors{[r] {
-                                    std::vector<at::Tensor> weights = r->model->parameter_tensors();
-                                    if (r->replicas)
-                                      for (const auto& t : r->replicas->weight_slices()) weights.push_back(t);
-                                    return weights;
-                                  },
-                                  [r] {
-                                    std::vector<at::Tensor> grads;
-                                    for (const auto& p : r->parameters()) grads.push_back(p.tensor.grad());
-                                    if (r->replicas)
-                                      for (const auto& t : r->replicas->gradient_buffers()) grads.push_back(t);
-                                    return grads;
-                                  },
-                                  [r] {
-                                    std::vector<at::Tensor> state;
-                                    for (const auto& s : r->optimizer->state()) state.push_back(s.tensor);
-                                    for (const auto& t : r->optimizer->working_memory()) state.push_back(t);
-                                    return state;
-                                  }});
+  run->monitor = std::make_unique<MemoryMonitor>(*run->probe, tracked_tensors(run.get()));
   return {std::move(run), std::nullopt};
 }
 

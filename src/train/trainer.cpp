@@ -50,15 +50,9 @@ std::string config_difference(const nlohmann::json& a, const nlohmann::json& b) 
   return fmt::format("{}", fmt::join(differences, "; "));
 }
 
-// Loads --resume's checkpoint into the run, checking that it belongs to this run; returns the
-// number of steps it had completed.
-// A checkpoint of another layout (written by another number of ranks, or another shard level, or
-// unsharded into a sharded run): the weights from its first file (every file holds them whole,
-// except at --shard full, whose files' slices are put together in rank order); each optimizer state
-// tensor put together whole from the files' slices, in rank order, then cut to this rank's slice
-// (step counters and whole-parameter statistics are taken as they are). Every rank reads every file.
-CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& manifest) {
-  const std::string& dir = run.config.resume;
+// Every file of the checkpoint in `dir`: its ranks' files in rank order (as its manifest lists
+// them, each checked to be at the manifest's step), or its one file.
+std::vector<CheckpointTensors> read_rank_files(const std::string& dir, const std::optional<ShardManifest>& manifest) {
   const int files = manifest ? manifest->ranks : 1;
   std::vector<CheckpointTensors> parts;
   for (int k = 0; k < files; ++k) {
@@ -70,39 +64,45 @@ CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& mani
            checkpoint_file(dir, CheckpointShard{k, files}), parts.back().info.step, manifest->step);
     }
   }
-  const CheckpointInfo& info = parts.front().info;
-  const std::string wanted = optimizer_name(run.config.optimizer);
-  if (!info.optimizer.empty() && info.optimizer != wanted) {
-    fail("--resume: the checkpoint was trained with --optimizer {}, this run has --optimizer {}; pass --optimizer {}",
-         info.optimizer, wanted, info.optimizer);
+  return parts;
+}
+
+const at::Tensor* find_tensor(const std::vector<NamedTensor>& list, const std::string& name) {
+  for (const auto& t : list) {
+    if (t.name == name) return &t.tensor;
   }
-  const c10::NoGradGuard no_grad;
-  auto find = [](const std::vector<NamedTensor>& list, const std::string& name) -> const at::Tensor* {
-    for (const auto& t : list) {
-      if (t.name == name) return &t.tensor;
+  return nullptr;
+}
+
+// Parameter `p` whole: from the first file, or (--shard full) each file's slice of it put together
+// in rank order; undefined when the checkpoint has no weight of its shape.
+at::Tensor whole_weight(const std::vector<CheckpointTensors>& parts, const std::optional<ShardManifest>& manifest,
+                        const NamedTensor& p) {
+  const at::Tensor* w = find_tensor(parts.front().model, p.name);
+  at::Tensor whole;
+  if (w != nullptr && w->sizes().equals(p.tensor.sizes())) {
+    whole = *w;
+  } else if (w != nullptr && w->dim() == 1 && manifest && manifest->shard == shard_level_name(ShardLevel::full)) {
+    std::vector<at::Tensor> pieces;
+    for (const auto& part : parts) {
+      if (const at::Tensor* t = find_tensor(part.model, p.name)) pieces.push_back(*t);
     }
-    return nullptr;
-  };
-  // Weights whole in every file, or (--shard full) each file's slice of them, put together in rank order.
+    whole = at::cat(pieces);
+    if (whole.numel() != p.tensor.numel()) whole = at::Tensor();
+  }
+  return whole;
+}
+
+// The weights, each copied into this run's own layout: the parameter whole, or its slice at --shard full.
+void load_weights(Run& run, const std::vector<CheckpointTensors>& parts, const std::optional<ShardManifest>& manifest,
+                  const std::string& dir) {
   const std::vector<NamedTensor> weights = run.replicas ? run.replicas->checkpoint_weights() : run.parameters();
   for (size_t i = 0; i < weights.size(); ++i) {
     const NamedTensor& p = run.parameters()[i];
-    const at::Tensor* w = find(parts.front().model, p.name);
-    at::Tensor whole;
-    if (w != nullptr && w->sizes().equals(p.tensor.sizes())) {
-      whole = *w;
-    } else if (w != nullptr && w->dim() == 1 && manifest && manifest->shard == shard_level_name(ShardLevel::full)) {
-      std::vector<at::Tensor> pieces;
-      for (const auto& part : parts) {
-        if (const at::Tensor* t = find(part.model, p.name)) pieces.push_back(*t);
-      }
-      whole = at::cat(pieces);
-      if (whole.numel() != p.tensor.numel()) whole = at::Tensor();
-    }
+    const at::Tensor whole = whole_weight(parts, manifest, p);
     if (!whole.defined()) {
       fail("--resume: '{}' has no weight '{}' of this run's shape: it was written for a different model", dir, p.name);
     }
-    // This run's own layout: the parameter whole, or its slice at --shard full.
     const at::Tensor target = weights[i].tensor.detach();
     if (target.sizes().equals(p.tensor.sizes())) {
       target.copy_(whole.view(p.tensor.sizes()));
@@ -111,33 +111,58 @@ CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& mani
       target.copy_(whole.reshape(-1).narrow(0, slice->first, slice->second));
     }
   }
-  for (const auto& s : run.optimizer->state()) {
-    std::vector<at::Tensor> pieces;
-    for (const auto& part : parts) {
-      if (const at::Tensor* t = find(part.optimizer, s.name)) pieces.push_back(t->reshape(-1));
-    }
-    if (pieces.empty()) fail("--resume: '{}' holds no optimizer state '{}'; it was written for another model", dir, s.name);
-    at::Tensor target = s.tensor;
-    // A step counter, or a statistic of the whole parameter (adafactor's factored moments): the same
-    // in every file that holds the parameter.
-    if (target.dim() == 0 || run.optimizer->whole_parameter_state(s.name)) {
-      if (pieces.front().numel() != target.numel()) {
-        fail("--resume: optimizer state '{}' in '{}' has {} elements, this run's {}: a different model", s.name, dir,
-             pieces.front().numel(), target.numel());
-      }
-      target.copy_(pieces.front().view(target.sizes()));
-      continue;
-    }
-    const std::string param = s.name.substr(0, s.name.rfind('.'));
-    const auto slice = run.replicas ? run.replicas->slice_of(param)
-                                    : std::optional<std::pair<int64_t, int64_t>>({0, target.numel()});
-    const at::Tensor whole = at::cat(pieces);
-    if (!slice || slice->first + slice->second > whole.numel() || slice->second != target.numel()) {
-      fail("--resume: optimizer state '{}' in '{}' does not cover its parameter ({} elements): a different model",
-           s.name, dir, whole.numel());
-    }
-    target.view(-1).copy_(whole.narrow(0, slice->first, slice->second));
+}
+
+// Optimizer state tensor `s`, put together whole from the files' slices in rank order, then cut to
+// this rank's slice; a step counter or a statistic of the whole parameter is taken as it is.
+void load_optimizer_state(Run& run, const std::vector<CheckpointTensors>& parts, const NamedTensor& s,
+                          const std::string& dir) {
+  std::vector<at::Tensor> pieces;
+  for (const auto& part : parts) {
+    if (const at::Tensor* t = find_tensor(part.optimizer, s.name)) pieces.push_back(t->reshape(-1));
   }
+  if (pieces.empty()) fail("--resume: '{}' holds no optimizer state '{}'; it was written for another model", dir, s.name);
+  at::Tensor target = s.tensor;
+  // A step counter, or a statistic of the whole parameter (adafactor's factored moments): the same
+  // in every file that holds the parameter.
+  if (target.dim() == 0 || run.optimizer->whole_parameter_state(s.name)) {
+    if (pieces.front().numel() != target.numel()) {
+      fail("--resume: optimizer state '{}' in '{}' has {} elements, this run's {}: a different model", s.name, dir,
+           pieces.front().numel(), target.numel());
+    }
+    target.copy_(pieces.front().view(target.sizes()));
+    return;
+  }
+  const std::string param = s.name.substr(0, s.name.rfind('.'));
+  const auto slice = run.replicas ? run.replicas->slice_of(param)
+                                  : std::optional<std::pair<int64_t, int64_t>>({0, target.numel()});
+  const at::Tensor whole = at::cat(pieces);
+  if (!slice || slice->first + slice->second > whole.numel() || slice->second != target.numel()) {
+    fail("--resume: optimizer state '{}' in '{}' does not cover its parameter ({} elements): a different model",
+         s.name, dir, whole.numel());
+  }
+  target.view(-1).copy_(whole.narrow(0, slice->first, slice->second));
+}
+
+// Loads --resume's checkpoint into the run, checking that it belongs to this run; returns the
+// number of steps it had completed.
+// A checkpoint of another layout (written by another number of ranks, or another shard level, or
+// unsharded into a sharded run): the weights from its first file (every file holds them whole,
+// except at --shard full, whose files' slices are put together in rank order); each optimizer state
+// tensor put together whole from the files' slices, in rank order, then cut to this rank's slice
+// (step counters and whole-parameter statistics are taken as they are). Every rank reads every file.
+CheckpointInfo load_resharded(Run& run, const std::optional<ShardManifest>& manifest) {
+  const std::string& dir = run.config.resume;
+  const std::vector<CheckpointTensors> parts = read_rank_files(dir, manifest);
+  const CheckpointInfo& info = parts.front().info;
+  const std::string wanted = optimizer_name(run.config.optimizer);
+  if (!info.optimizer.empty() && info.optimizer != wanted) {
+    fail("--resume: the checkpoint was trained with --optimizer {}, this run has --optimizer {}; pass --optimizer {}",
+         info.optimizer, wanted, info.optimizer);
+  }
+  const c10::NoGradGuard no_grad;
+  load_weights(run, parts, manifest, dir);
+  for (const auto& s : run.optimizer->state()) load_optimizer_state(run, parts, s, dir);
   if (!run.config.quiet && run.rank() == 0) {
     fmt::print(stderr, "note: re-sharded the checkpoint of {} to {} rank{} with --shard {}\n",
                manifest ? fmt::format("{} ranks (--shard {})", manifest->ranks, manifest->shard)
