@@ -27,9 +27,7 @@ inline RunConfig config_of(const std::string& settings) {
     if (end == std::string::npos) end = settings.size();
     const std::string item = settings.substr(begin, end - begin);
     const size_t eq = item.find('=');
-    for (const auto& f : run_fields()) {
-      if (f.key == item.substr(0, eq)) f.set(cfg, item.substr(eq + 1));
-    }
+    if (const RunField* f = find_run_field(item.substr(0, eq))) f->set(cfg, item.substr(eq + 1));
     begin = end + 1;
   }
   return cfg;
