@@ -37,8 +37,7 @@ std::string emitted(const RunConfig& cfg, const PlanOptions& o, const Plan& best
     RunConfig run = with_plan(cfg, best);
     run.json = run.quiet = false;
     run.memory_budget = budget;
-    return run_toml(run, RunConfig{}, {"model", "seq", "batch", "accum", "precision", "checkpointing", "attention",
-                                        "optimizer", "memory-budget"});
+    return run_toml(run, RunConfig{}, plan_keys());
   }
   return torch_loop_code(best, resolve_device(cfg.device).is_cuda() ? "cuda" : "cpu");
 }

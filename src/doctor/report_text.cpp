@@ -53,16 +53,15 @@ nlohmann::json DoctorReport::to_json() const {
 
 namespace {
 
-// The flags of `headroom train` that run `plan` under the configuration's budget: the plan's
-// settings and the model always, anything else the configuration changes from the defaults, but
+// The flags of `headroom train` that run `plan` under the configuration's budget: plan_keys()
+// always, anything else the configuration changes from the defaults, but
 // neither its outputs nor a planted leak.
 std::vector<std::string> train_args(const RunConfig& config, const Plan& plan) {
   RunConfig run = with_plan(config, plan);
   run.json = run.quiet = false;
   run.memory_snapshot.clear();
   run.inject_leak = LeakInjection::none;
-  return run_args(run, RunConfig{},
-                  {"model", "batch", "accum", "precision", "checkpointing", "attention", "optimizer", "memory-budget"});
+  return run_args(run, RunConfig{}, plan_keys());
 }
 
 // 1. what happened, and the breakdown measured next to the estimate

@@ -174,6 +174,12 @@ Plan plan_of(const RunConfig& c) {
   return p;
 }
 
+const std::vector<std::string>& plan_keys() {
+  static const std::vector<std::string> keys = {"model",         "seq",       "batch",     "accum",        "precision",
+                                                "checkpointing", "attention", "optimizer", "memory-budget"};
+  return keys;
+}
+
 RunConfig with_plan(RunConfig c, const Plan& p) {
   c.step() = p.step();
   c.plan_auto = false;

@@ -68,6 +68,11 @@ PlanResult plan_with_calibration(const PlanRequest& request, const CostModel::St
 
 // `config` set to run `plan`, and the plan `config` runs (its peak and time not predicted).
 RunConfig with_plan(RunConfig config, const Plan& plan);
+
+// The settings (field keys, config/run_config.h) a plan's command line or run file names even where
+// they equal the defaults: the model, the step's shape and levers, the budget. With run_args or
+// run_toml's `always`, so that what is written reads as the plan, not as a diff from defaults.
+const std::vector<std::string>& plan_keys();
 Plan plan_of(const RunConfig& config);
 
 }  // namespace headroom
