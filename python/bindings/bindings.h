@@ -11,5 +11,6 @@ void bind_memory(pybind11::module_& m);    // the cpu allocator, budget, Monitor
 void bind_estimate(pybind11::module_& m);  // estimate, plan, the plan as settings
 void bind_guard(pybind11::module_& m);     // the guard's rules, the batch-size search
 void bind_snapshot(pybind11::module_& m);  // analyze_snapshot: a PyTorch memory snapshot diagnosed
+void bind_trace(pybind11::module_& m);     // the estimate of a recorded trace (any model)
 
 }  // namespace headroom::python

@@ -53,7 +53,9 @@ def _flags(**settings: Any) -> Dict[str, str]:
 
 def estimate(
     config: ConfigLike,
+    inputs: Any = None,
     *,
+    loss_fn: Any = None,
     batch: int = 8,
     seq: int = 128,
     accum: int = 1,
@@ -77,7 +79,28 @@ def estimate(
     of ``torch.optim``'s class of that name (its default: single-tensor on cpu, foreach on cuda;
     without weight decay for Adam and Adagrad; adafactor is predicted as headroom's own), as your
     script runs it; ``"headroom"`` that of headroom's own trainer (in place).
+
+    **Any model**: ``estimate(model, inputs, loss_fn=None, optimizer=, precision=, checkpointing=,
+    device=, accum=)`` with a ``torch.nn.Module`` (real, or built on the meta device) and what it is
+    called with (a dict, a tensor or a tuple, at the real micro-batch size) traces its own training
+    step on fake tensors: see :func:`headroom.anymodel.estimate_model`. ``optimizer`` may then also
+    be a callable ``params -> torch.optim.Optimizer``.
     """
+    import torch
+
+    if isinstance(config, torch.nn.Module):
+        from .anymodel import estimate_model
+
+        if inputs is None:
+            raise ValueError("estimate(model, inputs): inputs are needed for a model: what it is called with "
+                             "(a dict for model(**inputs), a tensor, or a tuple), at the micro-batch size")
+        if optimizer_impl != "torch" or attention != "flash" or world_size != 1 or shard != "none":
+            raise ValueError("estimate(model, ...): optimizer_impl, attention, world_size and shard apply to a config; "
+                             "a model's own attention and torch.optim's update are what its trace follows")
+        return estimate_model(config, inputs, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                              checkpointing=checkpointing, device=device, accum=accum)
+    if inputs is not None or loss_fn is not None:
+        raise TypeError(f"inputs and loss_fn are for a torch.nn.Module, not a {type(config).__name__}")
     text, origin = _config_json(config)
     flags = _flags(batch=batch, seq=seq, accum=accum, precision=precision, optimizer=optimizer,
                    optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention, device=device, world_size=world_size,
