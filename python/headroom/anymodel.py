@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -95,6 +96,17 @@ class _Categories:
         return f"{kind}: {s.op}", kind
 
 
+def _collected(on_phase: Callable[[str], None]) -> Callable[[str], None]:
+    """Python's cycle collector runs when it likes, and what it frees (a checkpoint's reference
+    cycles) would land anywhere in the trace: with it paused, cycles are collected as each phase
+    begins, the same way in every block and every run."""
+    def phase(name: str) -> None:
+        gc.collect()
+        on_phase(name)
+
+    return phase
+
+
 def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks: Blocks):
     """The step's trace on fake tensors: (events, labels, owner by storage, step_begin, trainable)."""
     fake_mode = FakeTensorMode()
@@ -112,6 +124,8 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
         return fake
 
     undo = _swap_tensors(model, make)
+    gc_was = gc.isenabled()
+    gc.disable()
     try:
         with fake_mode:
             fake_inputs = _map_inputs(inputs, lambda x: torch.empty_strided(tuple(x.shape), tuple(x.stride()),
@@ -155,18 +169,42 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
         flops = FlopCounterMode(display=False)
         with prepared(model, checkpointing, blocks.modules), blocks.marked(trace) if blocks.modules is not None \
                 else contextlib.nullcontext(), fake_mode, flops, trace:
-            run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, trace.set_phase,
+            run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, _collected(trace.set_phase),
                       after_forward=after_forward, after_phase=after_phase)
             step_end = len(trace.events)  # what is freed after the last step is not the step's
         del opt, params, fake_inputs, setup
     finally:
         undo()
-    import gc
-
+        if gc_was:
+            gc.enable()
     gc.collect()  # frees what cycles held: the trace's events end with every storage's free
     labels: Dict[int, Tuple[str, str]] = {sid: cats.label(sid) for sid in trace.storages}
     owner = {sid: s.owner for sid, s in trace.storages.items()}
     return trace.events[:step_end], labels, owner, step_begin, flops.get_total_flops() // STEPS
+
+
+def _trace_at(blocks: Blocks, depth: int, *args):
+    with blocks.shallow(depth):
+        return _trace_step(*args, blocks)
+
+
+def _same_stream(a, b) -> bool:
+    """The same allocations and frees, in the same order, of the same sizes and phases, with the
+    same live bytes after each (the storage ids may differ)."""
+    if len(a) != len(b):
+        return False
+    live_a, live_b, sizes_a, sizes_b = 0, 0, {}, {}
+    for x, y in zip(a, b):
+        if x[1:4] != y[1:4]:
+            return False
+        for e, sizes in ((x, sizes_a), (y, sizes_b)):
+            if e[2]:
+                sizes[e[0]] = e[1]
+        live_a += x[1] if x[2] else -sizes_a.pop(x[0], 0)
+        live_b += y[1] if y[2] else -sizes_b.pop(y[0], 0)
+        if live_a != live_b:
+            return False
+    return True
 
 
 def _result(events, labels: Dict[int, Tuple[str, str]], step_begin: int, name: str, params: int, device: str,
@@ -215,32 +253,33 @@ def estimate_model(model: torch.nn.Module, inputs: Any, *, loss_fn=None, optimiz
             note = f"{blocks.depth} blocks in {blocks.name} of {blocks.kinds} kinds: traced at full depth"
     try:
         if extrapolate and blocks.can_extrapolate():
-            with blocks.shallow(TRACED_DEPTH):
-                events, labels, owner, step_begin, shallow_flops = _trace_step(
-                    model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks)
+            trace_at = lambda depth: _trace_at(blocks, depth, model, inputs, loss_fn, optimizer, precision,
+                                               checkpointing, device, accum)
+            events, labels, owner, step_begin, shallow_flops = trace_at(TRACED_DEPTH)
             try:
+                # The repetition is checked where it can be: three blocks repeated to four must be
+                # the trace of four, event for event, or the model is traced whole.
+                check = trace_at(TRACED_DEPTH + 1)
+                if not _same_stream(expand(events, owner, TRACED_DEPTH, TRACED_DEPTH + 1)[0], check[0]):
+                    raise CannotExpand(f"{TRACED_DEPTH} blocks repeated to {TRACED_DEPTH + 1} are not the trace of "
+                                       f"{TRACED_DEPTH + 1}")
                 events, source = expand(events, owner, TRACED_DEPTH, blocks.depth)
                 labels = {new: labels[old] for new, old in source.items()}
                 traced = TRACED_DEPTH
-                flops = None  # the flop counter saw three blocks: repeated below
-                note = (f"{blocks.depth} identical blocks in {blocks.name}: traced at {TRACED_DEPTH}, "
-                        f"repeated to {blocks.depth}")
+                flops = shallow_flops + (blocks.depth - TRACED_DEPTH) * (check[4] - shallow_flops)
+                note = (f"{blocks.depth} identical blocks in {blocks.name}: traced at {TRACED_DEPTH} (and "
+                        f"{TRACED_DEPTH + 1} to check), repeated to {blocks.depth}")
             except CannotExpand as why:
                 events, labels, owner, step_begin, flops = _trace_step(model, inputs, loss_fn, optimizer, precision,
-                                                                   checkpointing, device, accum, blocks)
+                                                                       checkpointing, device, accum, blocks)
                 note = f"{blocks.depth} blocks in {blocks.name}: traced at full depth ({why})"
         else:
             events, labels, owner, step_begin, flops = _trace_step(model, inputs, loss_fn, optimizer, precision,
-                                                               checkpointing, device, accum, blocks)
+                                                                   checkpointing, device, accum, blocks)
     except (ValueError, TypeError):
         raise
     except Exception as e:  # noqa: BLE001 - the model's own error, said with what headroom was doing
         raise type(e)(f"headroom.estimate: tracing {name}'s training step on fake tensors: {e}") from e
-    if traced != blocks.depth:
-        # Identical blocks cost alike: the middle one's FLOPs once more per block beyond three.
-        with blocks.shallow(TRACED_DEPTH - 1):
-            fewer = _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks)[4]
-        flops = shallow_flops + (blocks.depth - TRACED_DEPTH) * (shallow_flops - fewer)
     out = _result(events, labels, step_begin, name, total, device, allocator_conf)
     out["flops_per_step"] = int(flops)  # forward and backward (with recompute) of the accum micro-batches
     out["model"]["trainable_params"] = trainable

@@ -148,6 +148,17 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
             segments[-1] = (tag, segments[-1][1], i + 1)
         else:
             segments.append((tag, i, i + 1))
+    # What happens between two neighbouring blocks (a free as the loop moves on) goes with the
+    # block before: it recurs between every pair.
+    merged: List[Tuple[int, int, int]] = []
+    for k, seg in enumerate(segments):
+        between = (seg[0] < 0 and merged and merged[-1][0] >= 0 and k + 1 < len(segments)
+                   and abs(segments[k + 1][0] - merged[-1][0]) == 1)
+        if between:
+            merged[-1] = (merged[-1][0], merged[-1][1], seg[2])
+        else:
+            merged.append(seg)
+    segments = merged
 
     # A block's storages correspond to another's by their order: the n-th storage block 0 allocates
     # is what the n-th of block 1 is to block 1 (identical blocks allocate alike, run for run).
@@ -168,6 +179,8 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
     source: Dict[int, int] = {}
     out: List[Event] = []
 
+    after_ascending = [None]  # the direction of the last run of blocks, for the events after it
+
     def instance(sid: int, template: Optional[int], copy: Optional[int]) -> int:
         o = owner.get(sid, -1)
         if o < 0 or sid not in ordinal:
@@ -178,6 +191,9 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
                     inst = 0
                 elif o == last:
                     inst = depth - 1
+                elif after_ascending[0] is not None:
+                    # After blocks 0,1,2 the middle block is the one before the last; after 2,1,0 the second.
+                    inst = depth - 1 - (last - o) if after_ascending[0] else o
                 else:
                     raise CannotExpand(f"storage {sid} of block {o} is used outside the blocks")
             else:
@@ -193,7 +209,17 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
         return new
 
     def emit(start: int, end: int, template: Optional[int], copy: Optional[int]) -> None:
+        every = set()
+        if template is None:
+            # Outside the blocks, a storage of every traced block at once (autocast's weight copies,
+            # freed together as it exits) is one of every block at the full depth.
+            seen = {(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end] if e[0] in ordinal}
+            every = {n for (o, n) in seen if o == 1 and all((b, n) in seen for b in range(traced))}
         for sid, nbytes, allocated, phase, _ in events[start:end]:
+            if every and sid in ordinal and owner.get(sid) == 1 and ordinal[sid] in every:
+                for j in range(1, depth - 1):
+                    out.append((instance(sid, 1, j), nbytes, allocated, phase, -1))
+                continue
             out.append((instance(sid, template, copy), nbytes, allocated, phase, -1 if copy is None else copy))
 
     def template_of(j: int) -> int:
@@ -210,8 +236,10 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
         tags = [s[0] for s in chain]
         if tags == list(range(traced)):
             order = range(depth)
+            after_ascending[0] = True
         elif tags == list(range(last, -1, -1)):
             order = range(depth - 1, -1, -1)
+            after_ascending[0] = False
         else:
             raise CannotExpand(f"a run of blocks {tags} at event {start}")
         by_tag = {t: (s0, s1) for t, s0, s1 in chain}
