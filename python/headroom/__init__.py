@@ -23,8 +23,9 @@ The same C++ core as the ``headroom`` command line, for a loop you wrote yoursel
   safely, as ``headroom analyze`` does: peaks and what was live, iterations and leaks, fragmentation,
   OOMs; a dict like the CLI's ``--json``.
 * :func:`estimate`, :func:`plan` — predict a configuration's peak, and the fastest one that fits,
-  for a transformers config; :meth:`Plan.training_arguments` and :meth:`Plan.torch_loop` turn a plan
-  into settings.
+  for a transformers config, or for any ``torch.nn.Module`` with its inputs (its own training step,
+  traced on fake tensors); :func:`measure` — that step run for real on the cpu, counted;
+  :meth:`Plan.training_arguments` and :meth:`Plan.torch_loop` turn a plan into settings.
 
 Importing headroom installs its counting allocator as the cpu allocator of this process: cpu
 tensors made before the import are not counted (their bytes are missing from live and peak).
@@ -44,6 +45,7 @@ from .budget import cpu_budget, inject_cpu_oom  # noqa: E402
 from .guard import Guard, find_max_batch, guard  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 from .predict import Plan, PlanResult, estimate, plan  # noqa: E402
+from .anymodel import measure_model as measure  # noqa: E402
 
 __all__ = [
     "Monitor",
@@ -54,6 +56,7 @@ __all__ = [
     "guard",
     "find_max_batch",
     "estimate",
+    "measure",
     "plan",
     "Plan",
     "PlanResult",

@@ -19,17 +19,17 @@ import contextlib
 import copy
 import gc
 import json
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                           UnsupportedOperatorException)
 from torch.utils._pytree import tree_map
 
 from . import _core
-from .blocks import TRACED_DEPTH, Blocks, CannotExpand, expand
-from .step import OptimizerLike, check_settings, make_optimizer, prepared, run_steps
-from .trace import PHASES, StorageTrace
+from .blocks import Blocks, CannotExpand, choose, contexts, expand, with_ends
+from .step import OptimizerLike, UsageError, check_settings, make_optimizer, prepared, run_steps
+from .trace import PHASES, Event, StorageTrace
 
 STEPS = 2  # the first step makes the optimizer's state, the second finds it there
 
@@ -96,32 +96,51 @@ class _Categories:
         return f"{kind}: {s.op}", kind
 
 
-def _collected(on_phase: Callable[[str], None]) -> Callable[[str], None]:
+def _collected(trace: StorageTrace) -> Callable[[str], None]:
     """Python's cycle collector runs when it likes, and what it frees (a checkpoint's reference
     cycles) would land anywhere in the trace: with it paused, cycles are collected as each phase
-    begins, the same way in every block and every run."""
+    begins, outside any block, the same way in every block and every run."""
     def phase(name: str) -> None:
+        trace.set_block(-1)
         gc.collect()
-        on_phase(name)
+        trace.set_phase(name)
 
     return phase
 
 
-def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks: Blocks):
-    """The step's trace on fake tensors: (events, labels, owner by storage, step_begin, trainable)."""
-    fake_mode = FakeTensorMode()
-    trace = StorageTrace()
+class _Traced(NamedTuple):
+    events: List[Event]
+    labels: Dict[int, Tuple[str, str]]
+    owner: Dict[int, int]  # storage id -> the block tag of its allocation
+    step_begin: int  # events before it are the setup (weights, inputs)
+    flops: int  # per step
+    block_flops: List[int]  # per step, of each block of the stack as traced
+
+
+def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks: Blocks,
+                fake: bool = True) -> _Traced:
+    """The step's trace. On fake tensors, or (``fake=False``, for a model whose forward needs
+    values) on real ones: seeded random weights, the inputs' own values (zeros for meta inputs)."""
+    fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    generator = torch.Generator().manual_seed(0)
+    trace = StorageTrace(probe_scratch=device == "cpu", cuda=device.startswith("cuda"))
     cats = _Categories(trace)
     block_of_param = blocks.block_of_parameters()
     setup: List[Tuple[torch.Tensor, str, int]] = []
 
     def make(t: torch.Tensor, is_param: bool) -> torch.Tensor:
         with fake_mode:
-            fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=_floating_dtype(t, precision), device="cpu")
+            new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=_floating_dtype(t, precision), device="cpu")
+            if not fake:
+                with torch.no_grad():
+                    if t.is_meta:
+                        new.normal_(0.0, 0.02, generator=generator) if new.is_floating_point() else new.zero_()
+                    else:
+                        new.copy_(t)
             if is_param:
-                fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
-        setup.append((fake, "weights" if is_param else "buffers", block_of_param.get(id(t), -1)))
-        return fake
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        setup.append((new, "weights" if is_param else "buffers", block_of_param.get(id(t), -1)))
+        return new
 
     undo = _swap_tensors(model, make)
     gc_was = gc.isenabled()
@@ -129,7 +148,8 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
     try:
         with fake_mode:
             fake_inputs = _map_inputs(inputs, lambda x: torch.empty_strided(tuple(x.shape), tuple(x.stride()),
-                                                                             dtype=x.dtype, device="cpu"))
+                                                                             dtype=x.dtype, device="cpu")) if fake \
+                else _real_inputs(inputs)
         for t, kind, block in setup:
             sid = trace.add(t, kind, block)
             cats.kind[sid] = kind
@@ -166,11 +186,10 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
                 cats.mark([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
                           "optimizer")
 
-        flops = FlopCounterMode(display=False)
         with prepared(model, checkpointing, blocks.modules), blocks.marked(trace) if blocks.modules is not None \
-                else contextlib.nullcontext(), fake_mode, flops, trace:
-            run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, _collected(trace.set_phase),
-                      after_forward=after_forward, after_phase=after_phase)
+                else contextlib.nullcontext(), fake_mode, trace:
+            run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, _collected(trace),
+                      after_forward=after_forward, after_phase=after_phase, backward=trace.backward)
             step_end = len(trace.events)  # what is freed after the last step is not the step's
         del opt, params, fake_inputs, setup
     finally:
@@ -180,31 +199,71 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
     gc.collect()  # frees what cycles held: the trace's events end with every storage's free
     labels: Dict[int, Tuple[str, str]] = {sid: cats.label(sid) for sid in trace.storages}
     owner = {sid: s.owner for sid, s in trace.storages.items()}
-    return trace.events[:step_end], labels, owner, step_begin, flops.get_total_flops() // STEPS
+    per_block = [trace.block_flops.get(t, 0) // STEPS for t in range(len(blocks.modules or []))]
+    return _Traced(trace.events[:step_end], labels, owner, step_begin, trace.flops // STEPS, per_block)
 
 
-def _trace_at(blocks: Blocks, depth: int, *args):
-    with blocks.shallow(depth):
-        return _trace_step(*args, blocks)
+def _trace_at(blocks: Blocks, indices: List[int], fake: bool, *args) -> _Traced:
+    with blocks.shallow(indices):
+        return _trace_step(*args, blocks, fake=fake)
 
 
-def _same_stream(a, b) -> bool:
-    """The same allocations and frees, in the same order, of the same sizes and phases, with the
-    same live bytes after each (the storage ids may differ)."""
-    if len(a) != len(b):
-        return False
-    live_a, live_b, sizes_a, sizes_b = 0, 0, {}, {}
-    for x, y in zip(a, b):
-        if x[1:4] != y[1:4]:
-            return False
-        for e, sizes in ((x, sizes_a), (y, sizes_b)):
-            if e[2]:
-                sizes[e[0]] = e[1]
-        live_a += x[1] if x[2] else -sizes_a.pop(x[0], 0)
-        live_b += y[1] if y[2] else -sizes_b.pop(y[0], 0)
-        if live_a != live_b:
-            return False
-    return True
+def _span(indices: List[int]) -> str:
+    """Block indices as ranges: [0, 1, 2, 25] -> 'blocks 0-2, 25'."""
+    runs: List[List[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "blocks " + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _extrapolated(blocks: Blocks, kinds: List[int], shallow: List[int], check: List[int], fake: bool,
+                  args: tuple) -> _Traced:
+    """The full-depth trace from one of the ``shallow`` blocks (``kinds``: each block's, ends
+    included), checked first: the shallow trace expanded to the ``check`` blocks must be their own
+    trace, event for event."""
+    t = _trace_at(blocks, shallow, fake, *args)
+    shallow_kinds = [kinds[i] for i in shallow]
+    to_check = expand(t.events, t.owner, shallow_kinds, [kinds[i] for i in check])[0]  # fails early, untraced
+    if not _same_stream(to_check, _trace_at(blocks, check, fake, *args).events):
+        raise CannotExpand(f"{_span(shallow)} repeated to the {len(check)} of the check are not their trace")
+    events, source = expand(t.events, t.owner, shallow_kinds, kinds)
+    place: Dict[tuple, int] = {}
+    for i, ctx in enumerate(contexts(shallow_kinds)):
+        place.setdefault(ctx, i)
+    block_flops = [t.block_flops[place[ctx]] for ctx in contexts(kinds)]
+    flops = t.flops - sum(t.block_flops) + sum(block_flops)
+    return _Traced(events, {new: t.labels[old] for new, old in source.items()}, {}, t.step_begin, flops, block_flops)
+
+
+def _canonical(events: List[Event]) -> List[tuple]:
+    """The stream as peaks and the caching allocator see it: each allocation (size, phase) in
+    order, and each run of frees between two allocations as the sorted sizes it frees (their order
+    changes neither a peak nor the free blocks a cache holds after the run). Frees of storages the
+    stream did not allocate are left out."""
+    out: List[tuple] = []
+    run: List[Tuple[int, int]] = []
+    sizes: Dict[int, int] = {}
+    for sid, nbytes, allocated, phase, _ in events:
+        if allocated:
+            if run:
+                out.append(tuple(sorted(run)))
+                run = []
+            sizes[sid] = nbytes
+            out.append((nbytes, phase))
+        elif sid in sizes:
+            run.append((phase, sizes.pop(sid)))
+    if run:
+        out.append(tuple(sorted(run)))
+    return out
+
+
+def _same_stream(a: List[Event], b: List[Event]) -> bool:
+    """The same allocations in the same order, of the same sizes and phases, with the same frees
+    between each two (the storage ids, and the order of frees between two allocations, may differ)."""
+    return _canonical(a) == _canonical(b)
 
 
 def _result(events, labels: Dict[int, Tuple[str, str]], step_begin: int, name: str, params: int, device: str,
@@ -239,52 +298,86 @@ def _count(model: torch.nn.Module) -> Tuple[int, int]:
 def estimate_model(model: torch.nn.Module, inputs: Any, *, loss_fn=None, optimizer: OptimizerLike = "adamw",
                    precision: str = "fp32", checkpointing: str = "none", device: str = "cpu", accum: int = 1,
                    allocator_conf: str = "", extrapolate: bool = True) -> Dict[str, Any]:
+    """See :func:`headroom.estimate`. A forward that cannot run on fake tensors (it needs values:
+    ``.item()``, data-dependent shapes such as a mixture of experts' routing) is traced on real
+    tensors instead, at the depth the repetition allows, and the result says so."""
+    try:
+        return _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum,
+                               allocator_conf, extrapolate, fake=True)
+    except _NeedsValues as e:
+        out = _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum,
+                              allocator_conf, extrapolate, fake=False)
+        out["traced"]["method"] = f"real tensors on the cpu ({e})"
+        return out
+
+
+class _NeedsValues(Exception):
+    pass
+
+
+def _prefixed(e: Exception, what: str) -> Exception:
+    """The model's own error, of its own type where that can be made, said with what headroom was doing."""
+    try:
+        return type(e)(what + str(e))
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return RuntimeError(what + f"{type(e).__name__}: {e}")
+
+
+def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, allocator_conf,
+                    extrapolate, fake) -> Dict[str, Any]:
     check_settings(precision, checkpointing, optimizer, accum)
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"device '{device}': accepted: cpu, cuda")
     blocks = Blocks(model)
     total, trainable = _count(model)
     name = type(model).__name__
-    traced = blocks.depth
+    whole = lambda: _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks,
+                                fake=fake)
     note = "no repeated blocks: traced whole"
-    if blocks.modules is not None:
-        note = f"{blocks.depth} blocks in {blocks.name}: traced at full depth"
-        if not blocks.identical:
-            note = f"{blocks.depth} blocks in {blocks.name} of {blocks.kinds} kinds: traced at full depth"
+    traced_depth = blocks.depth
     try:
-        if extrapolate and blocks.can_extrapolate():
-            trace_at = lambda depth: _trace_at(blocks, depth, model, inputs, loss_fn, optimizer, precision,
-                                               checkpointing, device, accum)
-            events, labels, owner, step_begin, shallow_flops = trace_at(TRACED_DEPTH)
-            try:
-                # The repetition is checked where it can be: three blocks repeated to four must be
-                # the trace of four, event for event, or the model is traced whole.
-                check = trace_at(TRACED_DEPTH + 1)
-                if not _same_stream(expand(events, owner, TRACED_DEPTH, TRACED_DEPTH + 1)[0], check[0]):
-                    raise CannotExpand(f"{TRACED_DEPTH} blocks repeated to {TRACED_DEPTH + 1} are not the trace of "
-                                       f"{TRACED_DEPTH + 1}")
-                events, source = expand(events, owner, TRACED_DEPTH, blocks.depth)
-                labels = {new: labels[old] for new, old in source.items()}
-                traced = TRACED_DEPTH
-                flops = shallow_flops + (blocks.depth - TRACED_DEPTH) * (check[4] - shallow_flops)
-                note = (f"{blocks.depth} identical blocks in {blocks.name}: traced at {TRACED_DEPTH} (and "
-                        f"{TRACED_DEPTH + 1} to check), repeated to {blocks.depth}")
-            except CannotExpand as why:
-                events, labels, owner, step_begin, flops = _trace_step(model, inputs, loss_fn, optimizer, precision,
-                                                                       checkpointing, device, accum, blocks)
-                note = f"{blocks.depth} blocks in {blocks.name}: traced at full depth ({why})"
+        if blocks.modules is None:
+            t = whole()
         else:
-            events, labels, owner, step_begin, flops = _trace_step(model, inputs, loss_fn, optimizer, precision,
-                                                                   checkpointing, device, accum, blocks)
-    except (ValueError, TypeError):
+            stack = (f"{blocks.depth} identical blocks" if blocks.kinds == 1 else
+                     f"{blocks.depth} blocks of {blocks.kinds} kinds") + f" in {blocks.name}"
+            t, why = None, "asked" if not extrapolate else "no shorter stack holds every block's neighbours"
+            for ends in ((False, False), (True, False), (True, True)) if extrapolate else ():
+                eff = with_ends(blocks.kind_of, *ends)
+                shallow = choose(eff, blocks.kind_of)
+                check = choose(eff, blocks.kind_of, longer_than=len(shallow)) if shallow else None
+                if check is None:
+                    if shallow:
+                        why = f"a stack of {len(shallow)} and its check would trace as many blocks as the model has"
+                    continue
+                try:
+                    t = _extrapolated(blocks, eff, shallow, check, fake, (model, inputs, loss_fn, optimizer, precision,
+                                                                          checkpointing, device, accum))
+                except CannotExpand as e:
+                    why = str(e)
+                    continue
+                traced_depth = len(shallow)
+                note = f"{stack}: traced {_span(shallow)} (and {_span(check)} to check), repeated to {blocks.depth}"
+                break
+            if t is None:
+                t = whole()
+                note = f"{stack}: traced at full depth ({why})"
+    except UsageError:
         raise
+    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
+        if not fake:
+            raise
+        raise _NeedsValues(f"{getattr(e, 'func', None) or type(e).__name__} needs values") from e
     except Exception as e:  # noqa: BLE001 - the model's own error, said with what headroom was doing
-        raise type(e)(f"headroom.estimate: tracing {name}'s training step on fake tensors: {e}") from e
+        raise _prefixed(e, f"headroom.estimate: tracing {name}'s training step on "
+                           f"{'fake' if fake else 'real'} tensors: ") from e
+    events, labels, step_begin, flops = t.events, t.labels, t.step_begin, t.flops
     out = _result(events, labels, step_begin, name, total, device, allocator_conf)
     out["flops_per_step"] = int(flops)  # forward and backward (with recompute) of the accum micro-batches
     out["model"]["trainable_params"] = trainable
-    out["traced"] = {"method": "fake tensors", "blocks": blocks.name, "depth": blocks.depth, "traced_depth": traced,
-                     "extrapolated": traced != blocks.depth, "note": note}
+    out["traced"] = {"method": "fake tensors", "blocks": blocks.name, "depth": blocks.depth,
+                     "traced_depth": traced_depth, "kinds": blocks.kinds,
+                     "extrapolated": traced_depth != blocks.depth, "note": note}
     out["settings"] = {"precision": precision, "checkpointing": checkpointing, "device": device, "accum": accum,
                        "optimizer": optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "callable")}
     return out
@@ -359,10 +452,10 @@ def measure_model(model: torch.nn.Module, inputs: Any, *, loss_fn=None, optimize
         close()
     except torch.OutOfMemoryError:
         raise
-    except (ValueError, TypeError):
+    except UsageError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise type(e)(f"headroom.measure: running {type(model).__name__}'s training step on the cpu: {e}") from e
+        raise _prefixed(e, f"headroom.measure: running {type(model).__name__}'s training step on the cpu: ") from e
     finally:
         del opt, params, clone, real_inputs
     return {"model": {"name": type(model).__name__, "params": total, "trainable_params": trainable},

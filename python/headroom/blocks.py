@@ -1,29 +1,34 @@
 """A model's repeated blocks: found, traced at a shallow depth, and repeated to the full depth.
 
-Transformers are a stack of identical blocks (a ``ModuleList`` of layers of one class and shape).
-Their training step allocates the same storages for every block, so a trace of three blocks holds
-everything a trace of eighty does: the first block (after the embedding), a middle one (between two
-blocks) and the last (before the head). :func:`expand` builds the full-depth event stream from it:
-each run of block-tagged events (forward 0,1,2; backward 2,1,0; the optimizer's and ``zero_grad``'s
-walk over the parameters 0,1,2) becomes one copy per block — the first and the last from the
-traced first and last blocks, the others from the middle one — and a storage a copy refers to is
-the copy of the block that made it (its own, or a neighbour's). The result is the trace the full
-depth would give, event for event, when the blocks are identical; the test holds it to that.
+Transformers are a stack of blocks (a ``ModuleList`` of layers of one class), and their training
+step allocates the same storages for every block of one kind. A block's allocations and frees
+depend on its own kind and on its neighbours' (the residual it receives, the gradient it passes
+back), so a block is known by its *context*: the kinds before it, of itself and after it. A trace
+of a few blocks that holds every context of the stack holds everything a trace of eighty does.
 
-Blocks that differ (Gemma 3's sliding and global layers, an MoE model with some dense layers) are
-traced at their full depth, and the result says so.
+:func:`choose` picks that shallow stack as a prefix and a suffix of the real one, each block at
+the position it has in the full model (so a config's per-layer settings still apply): for identical
+blocks the first, the second and the last; for Gemma 3's five sliding layers to one global, the
+first seven and the last two of its 26. The first and the last block are made kinds of their own
+when their allocations differ from the others' (:func:`with_ends`). :func:`expand` builds the full-depth event stream from the
+shallow trace: each run of block-tagged events (forward 0,1,..; backward ..,1,0; the optimizer's
+and ``zero_grad``'s walk over the parameters) becomes one copy per block, each from the traced
+block of the same context, and a storage a copy refers to is the copy of the block that made it
+(its own, or a neighbour's). The result is the trace the full depth would give, event for event;
+:mod:`headroom.anymodel` checks it by expanding to a stack one block deeper and tracing that too.
 """
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .trace import Event, StorageTrace
 
-TRACED_DEPTH = 3  # first, middle, last
 _POSITION_ATTRS = {"layer_idx", "layer_id", "idx", "layer_number", "block_idx", "index", "layer_index"}
+Context = Tuple[Optional[int], int, Optional[int]]
 
 
 def _simple(value) -> bool:
@@ -43,6 +48,39 @@ def signature(block: torch.nn.Module) -> tuple:
     return tuple(parts)
 
 
+def contexts(kinds: Sequence[int]) -> List[Context]:
+    """Each block's (kind before, own kind, kind after); None at the ends."""
+    n = len(kinds)
+    return [(kinds[j - 1] if j else None, kinds[j], kinds[j + 1] if j + 1 < n else None) for j in range(n)]
+
+
+def choose(kinds: Sequence[int], real: Sequence[int], longer_than: int = 0) -> Optional[List[int]]:
+    """The indices of the shortest prefix-and-suffix of the stack, longer than ``longer_than``
+    blocks and shorter than the stack, whose contexts are exactly the stack's (by ``kinds``) and in
+    which every block has the ``real`` kind the full stack has at that position; None if none is."""
+    depth = len(kinds)
+    need = set(contexts(kinds))
+    for total in range(max(3, longer_than + 1), depth):
+        for tail in range(1, total):
+            idx = list(range(total - tail)) + list(range(depth - tail, depth))
+            if [real[i] for i in idx] == list(real[:total]) and set(contexts([kinds[i] for i in idx])) == need:
+                return idx
+    return None
+
+
+def with_ends(kinds: Sequence[int], first: bool, last: bool) -> List[int]:
+    """``kinds`` with the first and/or the last block made kinds of their own: the first block's
+    input may need no gradient (frozen embeddings, a plain tensor), and the last may feed a head
+    differently; their allocations then differ from the blocks' between."""
+    out = list(kinds)
+    top = max(out, default=-1)
+    if first and out:
+        out[0] = top + 1
+    if last and len(out) > 1:
+        out[-1] = top + 2
+    return out
+
+
 class Blocks:
     """The model's stack: the ``ModuleList`` holding most parameters among those of two or more
     children of one class."""
@@ -60,17 +98,16 @@ class Blocks:
             if size > best:
                 best, self.name, self.modules = size, name, m
         self.depth = len(self.modules) if self.modules is not None else 0
-        self.kinds = len({signature(b) for b in self.modules}) if self.modules is not None else 0
+        ids: Dict[tuple, int] = {}
+        self.kind_of: List[int] = [ids.setdefault(signature(b), len(ids)) for b in (self.modules or [])]
+        self.kinds = len(ids)
 
     @property
     def identical(self) -> bool:
         return self.modules is not None and self.kinds == 1
 
-    def can_extrapolate(self) -> bool:
-        return self.identical and self.depth > TRACED_DEPTH
-
     def block_of_parameters(self) -> Dict[int, int]:
-        """id(parameter) -> its block's index (blocks at the traced depth)."""
+        """id(parameter) -> its block's index (in the stack as it is now: shallow while traced)."""
         out: Dict[int, int] = {}
         if self.modules is None:
             return out
@@ -80,10 +117,11 @@ class Blocks:
         return out
 
     @contextlib.contextmanager
-    def shallow(self, depth: int) -> Iterator[None]:
-        """The model with only its first ``depth`` blocks, for the duration."""
+    def shallow(self, indices: Sequence[int]) -> Iterator[None]:
+        """The model with only the blocks at ``indices`` (in order), for the duration."""
         kept = self.modules._modules
-        self.modules._modules = type(kept)(list(kept.items())[:depth])
+        blocks = list(kept.values())
+        self.modules._modules = type(kept)((str(k), blocks[i]) for k, i in enumerate(indices))
         try:
             yield
         finally:
@@ -128,23 +166,34 @@ class Blocks:
 
 
 class CannotExpand(Exception):
-    """The trace's block runs are not the 0,1,2 / 2,1,0 pattern identical blocks give."""
+    """The trace's block runs are not the pattern the chosen blocks give."""
 
 
-def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: int) -> Tuple[List[Event], Dict[int, int]]:
-    """The event stream at ``depth`` blocks from one traced at ``traced`` (3) blocks.
+def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequence[int],
+           kinds: Sequence[int]) -> Tuple[List[Event], Dict[int, int]]:
+    """The event stream of the stack ``kinds`` from one traced on the stack ``traced_kinds``
+    (chosen by :func:`choose`: every context of ``kinds`` is one of its blocks').
 
     ``owner``: storage id -> the block tag its allocation had (-1: none). Returns the new events and,
     for each new storage id, the traced storage it copies (for its label).
     """
-    if traced != TRACED_DEPTH:
-        raise CannotExpand(f"traced at {traced} blocks, not {TRACED_DEPTH}")
-    last = traced - 1
-    # Segments: maximal runs of events with one tag.
+    traced, depth = len(traced_kinds), len(kinds)
+    place = {}
+    for t, c in enumerate(contexts(traced_kinds)):
+        place.setdefault(c, t)
+    try:
+        template = [place[c] for c in contexts(kinds)]  # full block -> the traced block it copies
+    except KeyError as e:
+        raise CannotExpand(f"no traced block has the context {e.args[0]}") from None
+    copies: Dict[int, List[int]] = {}
+    for j, t in enumerate(template):
+        copies.setdefault(t, []).append(j)
+
+    # Segments: maximal runs of events with one tag, in one phase.
     segments: List[Tuple[int, int, int]] = []  # (tag, start, end)
     for i, e in enumerate(events):
         tag = max(e[4], -1)
-        if segments and segments[-1][0] == tag:
+        if segments and segments[-1][0] == tag and events[segments[-1][1]][3] == e[3]:
             segments[-1] = (tag, segments[-1][1], i + 1)
         else:
             segments.append((tag, i, i + 1))
@@ -153,24 +202,27 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
     merged: List[Tuple[int, int, int]] = []
     for k, seg in enumerate(segments):
         between = (seg[0] < 0 and merged and merged[-1][0] >= 0 and k + 1 < len(segments)
-                   and abs(segments[k + 1][0] - merged[-1][0]) == 1)
+                   and segments[k + 1][0] >= 0 and abs(segments[k + 1][0] - merged[-1][0]) == 1
+                   and events[merged[-1][1]][3] == events[segments[k + 1][1]][3])
         if between:
             merged[-1] = (merged[-1][0], merged[-1][1], seg[2])
         else:
             merged.append(seg)
     segments = merged
 
-    # A block's storages correspond to another's by their order: the n-th storage block 0 allocates
-    # is what the n-th of block 1 is to block 1 (identical blocks allocate alike, run for run).
+    # A block's storages correspond to another's of its kind by their order: the n-th storage a
+    # block allocates is what the n-th of the other is to it.
     ordinal: Dict[int, int] = {}
     counts = [0] * traced
     for sid, _, allocated, _, tag in events:
         o = owner.get(sid, -1)
-        if allocated and o >= 0:
+        if allocated and 0 <= o < traced:
             ordinal[sid] = counts[o]
             counts[o] += 1
-    if len(set(counts)) != 1:
-        raise CannotExpand(f"the traced blocks allocate {counts} storages")
+    for kind in set(traced_kinds):
+        same = {counts[t] for t in range(traced) if traced_kinds[t] == kind}
+        if len(same) != 1:
+            raise CannotExpand(f"traced blocks of one kind allocate {sorted(same)} storages")
     by_ordinal: Dict[Tuple[int, int], int] = {}  # (owner, ordinal) -> a traced storage, for labels
     for sid, n in ordinal.items():
         by_ordinal[(owner[sid], n)] = sid
@@ -178,52 +230,50 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
     ids: Dict[Tuple[int, int], int] = {}
     source: Dict[int, int] = {}
     out: List[Event] = []
-
     after_ascending = [None]  # the direction of the last run of blocks, for the events after it
 
-    def instance(sid: int, template: Optional[int], copy: Optional[int]) -> int:
+    def instance(sid: int, tmpl: Optional[int], copy: Optional[int]) -> int:
         o = owner.get(sid, -1)
         if o < 0 or sid not in ordinal:
             key = (-1, sid)
         else:
-            if template is None:
-                if o == 0:
-                    inst = 0
-                elif o == last:
-                    inst = depth - 1
-                elif after_ascending[0] is not None:
-                    # After blocks 0,1,2 the middle block is the one before the last; after 2,1,0 the second.
-                    inst = depth - 1 - (last - o) if after_ascending[0] else o
-                else:
+            if tmpl is None:
+                mine = copies.get(o)
+                if not mine:
+                    raise CannotExpand(f"storage {sid} of block {o}, which no block copies, is used outside the blocks")
+                if len(mine) == 1:
+                    inst = mine[0]
+                elif after_ascending[0] is None:
                     raise CannotExpand(f"storage {sid} of block {o} is used outside the blocks")
+                else:  # after a forward run the copy nearest the end, after a backward run the first
+                    inst = mine[-1] if after_ascending[0] else mine[0]
             else:
-                inst = copy + (o - template)
-                if not 0 <= inst < depth:
-                    raise CannotExpand(f"block {template}'s events use storage {sid} of block {o}")
+                inst = copy + (o - tmpl)
+                if not 0 <= inst < depth or kinds[inst] != traced_kinds[o]:
+                    raise CannotExpand(f"block {tmpl}'s events use storage {sid} of block {o}")
             key = (inst, ordinal[sid])
         new = ids.get(key)
         if new is None:
             new = ids[key] = len(ids) + 1
-            # Labels come from the traced storage of that place: the first block's, the last's, or the middle one's.
-            source[new] = sid if key[0] == -1 else by_ordinal[(0 if inst == 0 else last if inst == depth - 1 else 1, key[1])]
+            # Labels come from the traced storage of that place: the block that copy copies.
+            source[new] = sid if key[0] == -1 else by_ordinal.get((template[key[0]], key[1]), sid)
         return new
 
-    def emit(start: int, end: int, template: Optional[int], copy: Optional[int]) -> None:
+    def emit(start: int, end: int, tmpl: Optional[int], copy: Optional[int]) -> None:
         every = set()
-        if template is None:
-            # Outside the blocks, a storage of every traced block at once (autocast's weight copies,
-            # freed together as it exits) is one of every block at the full depth.
+        if tmpl is None:
+            # Outside the blocks, a storage of every traced block of a kind at once (autocast's
+            # weight copies, freed together as it exits) is one of every block at the full depth.
             seen = {(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end] if e[0] in ordinal}
-            every = {n for (o, n) in seen if o == 1 and all((b, n) in seen for b in range(traced))}
+            every = {(o, n) for (o, n) in seen
+                     if all((b, n) in seen for b in range(traced) if traced_kinds[b] == traced_kinds[o])}
         for sid, nbytes, allocated, phase, _ in events[start:end]:
-            if every and sid in ordinal and owner.get(sid) == 1 and ordinal[sid] in every:
-                for j in range(1, depth - 1):
-                    out.append((instance(sid, 1, j), nbytes, allocated, phase, -1))
+            o = owner.get(sid, -1)
+            if every and sid in ordinal and (o, ordinal[sid]) in every:
+                for j in copies.get(o, []):
+                    out.append((instance(sid, o, j), nbytes, allocated, phase, -1))
                 continue
-            out.append((instance(sid, template, copy), nbytes, allocated, phase, -1 if copy is None else copy))
-
-    def template_of(j: int) -> int:
-        return 0 if j == 0 else last if j == depth - 1 else 1
+            out.append((instance(sid, tmpl, copy), nbytes, allocated, phase, -1 if copy is None else copy))
 
     k = 0
     while k < len(segments):
@@ -233,18 +283,18 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced: int, depth: i
             k += 1
             continue
         chain = segments[k:k + traced]
-        tags = [s[0] for s in chain]
+        tags = [seg[0] for seg in chain]
         if tags == list(range(traced)):
             order = range(depth)
             after_ascending[0] = True
-        elif tags == list(range(last, -1, -1)):
+        elif tags == list(range(traced - 1, -1, -1)):
             order = range(depth - 1, -1, -1)
             after_ascending[0] = False
         else:
             raise CannotExpand(f"a run of blocks {tags} at event {start}")
         by_tag = {t: (s0, s1) for t, s0, s1 in chain}
         for j in order:
-            s0, s1 = by_tag[template_of(j)]
-            emit(s0, s1, template_of(j), j)
+            s0, s1 = by_tag[template[j]]
+            emit(s0, s1, template[j], j)
         k += traced
     return out, source

@@ -148,9 +148,12 @@ class PlanResult(dict):
 
 def plan(
     config: ConfigLike,
+    inputs: Any = None,
     *,
     global_batch: int,
     budget: Union[int, str],
+    inputs_fn: Any = None,
+    loss_fn: Any = None,
     seq: int = 128,
     precision: str = "fp32",
     optimizer: str = "adamw",
@@ -165,8 +168,22 @@ def plan(
     attention (the optimizer only with ``allow_optimizer_change``; with ``world_size`` > 1 the shard
     level too). Peaks come from :func:`estimate` (``optimizer_impl`` as there); step times from a
     FLOPs cost model (the CLI's ``headroom plan`` can also calibrate it by timing its own steps).
+
+    **Any model**: ``plan(model, inputs, global_batch=, budget=)`` (or ``inputs_fn(batch)`` when the
+    batch dimension of ``inputs`` cannot simply be scaled) searches precision x checkpointing x
+    micro-batch through the model's traced estimate: see :func:`headroom.anyplan.plan_model`.
     """
     from . import parse_size
+    import torch
+
+    if isinstance(config, torch.nn.Module):
+        from .anyplan import plan_model
+
+        return plan_model(config, inputs, budget=budget, global_batch=global_batch, inputs_fn=inputs_fn,
+                          loss_fn=loss_fn, optimizer=optimizer, device=device, margin=margin,
+                          optimizers=("adamw", "sgd", "adafactor") if allow_optimizer_change else None)
+    if inputs is not None or inputs_fn is not None or loss_fn is not None:
+        raise TypeError(f"inputs, inputs_fn and loss_fn are for a torch.nn.Module, not a {type(config).__name__}")
 
     text, origin = _config_json(config)
     with tempfile.TemporaryDirectory(prefix="headroom-plan-") as tmp:

@@ -19,6 +19,11 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "momentum", "adagrad", "adafactor")
 OptimizerLike = Union[str, Callable[[List[torch.nn.Parameter]], torch.optim.Optimizer]]
 
 
+class UsageError(ValueError):
+    """What headroom says of the caller's arguments while it runs their step, told apart from the
+    model's own errors (which it passes on with what it was doing)."""
+
+
 def check_settings(precision: str, checkpointing: str, optimizer: OptimizerLike, accum: int) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision '{precision}': accepted: {', '.join(PRECISIONS)}")
@@ -39,11 +44,11 @@ def make_optimizer(optimizer: OptimizerLike, params: List[torch.nn.Parameter], d
     """torch.optim's class of that name with its defaults, as a script makes it. ``device="cuda"``:
     the multi-tensor (foreach) update that torch.optim picks on cuda; on cpu the single-tensor one."""
     if not params:
-        raise ValueError("the model has no trainable parameters (every one has requires_grad=False)")
+        raise UsageError("the model has no trainable parameters (every one has requires_grad=False)")
     if callable(optimizer) and not isinstance(optimizer, str):
         opt = optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
+            raise UsageError(f"optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
         return opt
     foreach = True if device.startswith("cuda") else None
     if optimizer == "adamw":
@@ -75,10 +80,10 @@ def loss_of(output: Any, inputs: Any, loss_fn: Optional[Callable]) -> torch.Tens
         if loss is None and isinstance(output, Mapping):
             loss = output.get("loss")
         if loss is None:
-            raise ValueError(f"the model returned {type(output).__name__} without a loss: pass labels in inputs, or "
+            raise UsageError(f"the model returned {type(output).__name__} without a loss: pass labels in inputs, or "
                              "loss_fn=lambda output, inputs: ... returning a scalar tensor")
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise ValueError(f"the loss is {type(loss).__name__}"
+        raise UsageError(f"the loss is {type(loss).__name__}"
                          f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}"
                          ": accepted: a scalar tensor")
     return loss
@@ -90,15 +95,26 @@ def prepared(model: torch.nn.Module, checkpointing: str, blocks: Optional[torch.
     ``gradient_checkpointing_enable()`` (transformers), else ``torch.utils.checkpoint`` around each
     repeated block. All of it undone afterwards."""
     modes = [(m, m.training) for m in model.modules()]
+    # transformers' checkpointing adds hooks of its own (enable_input_require_grads) that its
+    # disable keeps: every hook dict is put back as it was.
+    hooks = [(d, dict(d)) for m in model.modules()
+             for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
     model.train()
     undo: List[Callable[[], None]] = []
     try:
         if checkpointing == "full":
             if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
-                was = bool(getattr(model, "is_gradient_checkpointing", False))
-                if not was:
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                    undo.append(model.gradient_checkpointing_disable)
+                # transformers 5 names it activation_checkpointing_*; 4.x gradient_checkpointing_*.
+                enable = getattr(model, "activation_checkpointing_enable", None)
+                disable = getattr(model, "activation_checkpointing_disable", None)
+                if enable is None or disable is None:
+                    enable, disable = model.gradient_checkpointing_enable, model.gradient_checkpointing_disable
+                if not _checkpointing_on(model):
+                    if enable is model.gradient_checkpointing_enable:
+                        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    else:
+                        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                    undo.append(disable)
             elif blocks is not None:
                 from torch.utils.checkpoint import checkpoint
 
@@ -111,14 +127,23 @@ def prepared(model: torch.nn.Module, checkpointing: str, blocks: Optional[torch.
                     b.forward = wrapped
                     undo.append(lambda b=b: b.__dict__.pop("forward", None))
             else:
-                raise ValueError("checkpointing 'full': the model has no repeated blocks to checkpoint and no "
+                raise UsageError("checkpointing 'full': the model has no repeated blocks to checkpoint and no "
                                  "gradient_checkpointing_enable()")
         yield
     finally:
         for u in reversed(undo):
             u()
+        for d, before in hooks:
+            if d != before:
+                d.clear()
+                d.update(before)
         for m, mode in modes:
             m.training = mode
+
+
+def _checkpointing_on(model: torch.nn.Module) -> bool:
+    """Whether a transformers model already checkpoints (read without its deprecation warning)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def autocast(precision: str):
@@ -131,10 +156,11 @@ def autocast(precision: str):
 
 def run_steps(model, inputs, loss_fn, optimizer: torch.optim.Optimizer, precision: str, accum: int, steps: int,
               on_phase: Callable[[str], None], after_forward: Optional[Callable[[Any], None]] = None,
-              after_phase: Optional[Callable[[str], None]] = None) -> None:
+              after_phase: Optional[Callable[[str], None]] = None,
+              backward: Optional[Callable[[torch.Tensor], None]] = None) -> None:
     """``steps`` optimizer steps of ``accum`` micro-batches each, telling ``on_phase`` where it is
-    (and ``after_phase`` when a phase ends). The model's output is dropped once its loss is taken,
-    as ``loss = model(**batch).loss`` drops it."""
+    (and ``after_phase`` when a phase ends; ``backward(loss)`` runs the backward when given). The
+    model's output is dropped once its loss is taken, as ``loss = model(**batch).loss`` drops it."""
     done = after_phase or (lambda phase: None)
     for _ in range(steps):
         for _ in range(accum):
@@ -149,7 +175,10 @@ def run_steps(model, inputs, loss_fn, optimizer: torch.optim.Optimizer, precisio
                 loss = loss / accum
             done("forward")
             on_phase("backward")
-            loss.backward()
+            if backward is None:
+                loss.backward()
+            else:
+                backward(loss)
             del loss
             done("backward")
         on_phase("optimizer")

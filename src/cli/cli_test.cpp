@@ -92,7 +92,7 @@ TEST(Cli, BadInputGivesOneLineAndExitCode2) {
     std::ofstream f(dir.file("bert.json"));
     f << R"({"model_type": "bert", "vocab_size": 30522})";
   }
-  expect_usage_error("train --model " + dir.file("bert.json"), "model_type 'bert' is not supported; supported:");
+  expect_usage_error("train --model " + dir.file("bert.json"), "model_type 'bert' is not native to headroom (native:");
   expect_usage_error("train --model nosuchpreset", "(not a preset name and not a readable file); presets:");
   expect_usage_error("train --batch -3", "--batch must be positive, got -3");
   expect_usage_error("train --seq 0", "--seq must be positive");

@@ -375,7 +375,9 @@ ModelConfig read_config(const nlohmann::json& j, const std::string& origin, std:
     c.family = Family::gpt_neox;
     read_gpt_neox(r, c, origin);
   } else {
-    fail("{}: model_type '{}' is not supported; supported: {}", origin, type, fmt::join(supported_families(), ", "));
+    fail("{}: model_type '{}' is not native to headroom (native: {}); any transformers model: python -m headroom "
+         "estimate|plan --model {} (the Python package, with transformers installed)", origin, type,
+         fmt::join(supported_families(), ", "), origin);
   }
   validate(c, origin);
   if (fields) *fields = r.used();

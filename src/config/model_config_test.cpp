@@ -117,7 +117,7 @@ TEST(ModelConfig, BadInputGetsOneLineErrors) {
       [] {
         model_config_from_json({{"model_type", "bert"}}, "x.json");
       },
-      ThrowsMessage<Error>(HasSubstr("model_type 'bert' is not supported; supported: gpt2, llama")));
+      ThrowsMessage<Error>(HasSubstr("model_type 'bert' is not native to headroom (native: gpt2, llama")));
   EXPECT_THAT(
       [] {
         model_config_from_json({{"model_type", "llama"}, {"vocab_size", 10}}, "x.json");

@@ -4,6 +4,7 @@
 #include <map>
 #include <vector>
 
+#include "estimate/cuda_workspace.h"
 #include "estimate/reserved.h"
 #include "memory/phase.h"
 
@@ -14,8 +15,6 @@ using sim::Category;
 using sim::Param;
 using sim::Ref;
 using sim::Tensor;
-
-constexpr int64_t kCublasWorkspaceBytes = int64_t{4096} * 1024 * 8;
 
 }  // namespace
 
@@ -59,14 +58,11 @@ void StepReplay::load_corpus() {
   dataset_eval_ = mem_.allocate(held_out, lbl);
 }
 
-// cuBLAS takes its workspace from the caching allocator at the first matmul and keeps it:
-// 4096 KiB x 8 on sm90 and newer (PyTorch's default CUBLAS_WORKSPACE_CONFIG there; cuBLASLt
-// shares it). Made here, before the step, so that a replayed second step does not make another.
+// cuBLAS's workspace (estimate/cuda_workspace.h), made here, before the step, so that a replayed
+// second step does not make another.
 void StepReplay::reserve_cublas_workspace() {
   workspace_ = mem_.allocate(kCublasWorkspaceBytes,
-                             mem_.label("cuBLAS workspace", Category::allocator,
-                                        "4096 KiB x 8 (sm90+ default of CUBLAS_WORKSPACE_CONFIG), from the "
-                                        "caching allocator at the first matmul; 8.1 MiB on older GPUs"));
+                             mem_.label("cuBLAS workspace", Category::allocator, kCublasWorkspaceFormula));
 }
 
 void StepReplay::micro_batch(int64_t rows) {

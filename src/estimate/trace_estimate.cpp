@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "estimate/cuda_workspace.h"
 #include "memory/caching_policy.h"
 #include "util/error.h"
 
@@ -18,10 +19,21 @@ Estimate estimate_traced(const TracedStep& step) {
                                               "each block rounded up to 512 bytes, as the caching allocator does"));
   }
   std::unordered_map<int64_t, sim::Ref> live;
+  sim::Ref workspace;
   size_t step_begin_event = 0;
+  // At the step's start: on cuda, cuBLAS's workspace, taken at its first matmul and kept (made
+  // before the step, as the native estimate makes it, so every phase's peak holds it).
+  const auto begin_step = [&] {
+    if (step.cuda) {
+      workspace = mem.allocate(kCublasWorkspaceBytes,
+                               mem.label("cuBLAS workspace", sim::Category::allocator, kCublasWorkspaceFormula));
+    }
+    step_begin_event = mem.events().size();
+  };
+  const size_t begin = std::min(step.step_begin, step.events.size());
   for (size_t i = 0; i < step.events.size(); ++i) {
+    if (i == begin) begin_step();
     const TracedEvent& e = step.events[i];
-    if (i == step.step_begin) step_begin_event = mem.events().size();
     if (e.phase != mem.phase()) mem.set_phase(e.phase);
     if (e.allocated) {
       if (e.label < 0 || static_cast<size_t>(e.label) >= label_ids.size()) {
@@ -33,7 +45,7 @@ Estimate estimate_traced(const TracedStep& step) {
       live.erase(e.storage);
     }
   }
-  if (step.step_begin >= step.events.size()) step_begin_event = mem.events().size();
+  if (begin == step.events.size()) begin_step();
 
   Estimate est;
   est.cuda = step.cuda;

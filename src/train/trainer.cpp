@@ -323,7 +323,9 @@ std::string Divergence::message() const {
       "(--lr), no "
       "gradient clipping (--grad-clip 0), a config field that breaks the numerics (rope_theta 0, a tiny "
       "layer_norm_eps), fp16 overflow; the checkpoint, if any, is from before it",
-      loss, step, since < step ? fmt::format(" (not finite since step {})", since) : "");
+      // NaN's sign bit is whatever the arithmetic left (it differs between CPUs): "nan" always.
+      std::isnan(loss) ? std::string("nan") : fmt::format("{}", loss), step,
+      since < step ? fmt::format(" (not finite since step {})", since) : "");
 }
 
 double TrainResult::median_step_seconds() const {
