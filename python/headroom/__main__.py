@@ -5,7 +5,7 @@ built as transformers' own model on the meta device (fp32 weights, as the native
 and its training step traced (``headroom.estimate(model, inputs)``). The JSON is the same object.
 
 Exit status: 0 done (for ``estimate --memory-budget``: it fits), 1 it does not fit / nothing fits,
-2 bad input.
+2 bad input, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -186,6 +186,9 @@ def main(argv=None) -> int:
     except BadInput as e:
         print(f"headroom: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("headroom: interrupted", file=sys.stderr)
+        return 130
     except ValueError as e:  # headroom's own checks of the settings, one line each
         print(f"headroom: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

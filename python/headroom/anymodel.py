@@ -2,13 +2,15 @@
 
 :func:`estimate_model` runs the user's own training step on fake tensors (``FakeTensorMode``:
 shapes, dtypes and aliasing without data) under :class:`headroom.trace.StorageTrace`, which
-records every storage allocated and freed with its phase; the model's repeated blocks are traced at
-a depth of three and repeated to the full depth (:mod:`headroom.blocks`). The C++ core turns the
-trace into the estimate every other path returns, and replays it through the caching allocator's
-policy for the bytes a card would reserve.
+records every storage allocated and freed with its phase; the model's repeated blocks are traced
+once per neighbourhood and repeated to the full depth (:mod:`headroom.blocks`). The C++ core turns
+the trace into the estimate every other path returns, and replays it through the caching
+allocator's policy for the bytes a card would reserve. A forward that needs values is traced the
+same way on real tensors.
 
 :func:`measure_model` runs the same step for real on the cpu, under headroom's counting allocator:
-the measured truth beside the estimate, and the fallback for a model that cannot run on fake tensors.
+the measured truth beside the estimate. Both reset the counting allocator's peak (the probe of a
+kernel's scratch does too), which a :class:`headroom.Monitor` phase open around them would see.
 
 The user's model is borrowed, not changed: its parameters and buffers are swapped for fake (or, for
 measure, copied) ones for the duration, hooks are removed and modes restored, also on error.
@@ -19,7 +21,7 @@ import contextlib
 import copy
 import gc
 import json
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
@@ -27,7 +29,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._pytree import tree_map
 
 from . import _core
-from .blocks import Blocks, CannotExpand, choose, contexts, expand, with_ends
+from .blocks import Blocks, CannotExpand, choose, expand, templates, with_ends
 from .step import OptimizerLike, UsageError, check_settings, make_optimizer, prepared, run_steps
 from .trace import PHASES, Event, StorageTrace
 
@@ -230,10 +232,7 @@ def _extrapolated(blocks: Blocks, kinds: List[int], shallow: List[int], check: L
     if not _same_stream(to_check, _trace_at(blocks, check, fake, *args).events):
         raise CannotExpand(f"{_span(shallow)} repeated to the {len(check)} of the check are not their trace")
     events, source = expand(t.events, t.owner, shallow_kinds, kinds)
-    place: Dict[tuple, int] = {}
-    for i, ctx in enumerate(contexts(shallow_kinds)):
-        place.setdefault(ctx, i)
-    block_flops = [t.block_flops[place[ctx]] for ctx in contexts(kinds)]
+    block_flops = [t.block_flops[i] for i in templates(shallow_kinds, kinds)]
     flops = t.flops - sum(t.block_flops) + sum(block_flops)
     return _Traced(events, {new: t.labels[old] for new, old in source.items()}, {}, t.step_begin, flops, block_flops)
 

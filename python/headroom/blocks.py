@@ -102,10 +102,6 @@ class Blocks:
         self.kind_of: List[int] = [ids.setdefault(signature(b), len(ids)) for b in (self.modules or [])]
         self.kinds = len(ids)
 
-    @property
-    def identical(self) -> bool:
-        return self.modules is not None and self.kinds == 1
-
     def block_of_parameters(self) -> Dict[int, int]:
         """id(parameter) -> its block's index (in the stack as it is now: shallow while traced)."""
         out: Dict[int, int] = {}
@@ -169,6 +165,17 @@ class CannotExpand(Exception):
     """The trace's block runs are not the pattern the chosen blocks give."""
 
 
+def templates(traced_kinds: Sequence[int], kinds: Sequence[int]) -> List[int]:
+    """For each block of the stack ``kinds``, the first block of the traced stack with its context."""
+    place: Dict[Context, int] = {}
+    for t, c in enumerate(contexts(traced_kinds)):
+        place.setdefault(c, t)
+    try:
+        return [place[c] for c in contexts(kinds)]
+    except KeyError as e:
+        raise CannotExpand(f"no traced block has the context {e.args[0]}") from None
+
+
 def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequence[int],
            kinds: Sequence[int]) -> Tuple[List[Event], Dict[int, int]]:
     """The event stream of the stack ``kinds`` from one traced on the stack ``traced_kinds``
@@ -178,13 +185,7 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequenc
     for each new storage id, the traced storage it copies (for its label).
     """
     traced, depth = len(traced_kinds), len(kinds)
-    place = {}
-    for t, c in enumerate(contexts(traced_kinds)):
-        place.setdefault(c, t)
-    try:
-        template = [place[c] for c in contexts(kinds)]  # full block -> the traced block it copies
-    except KeyError as e:
-        raise CannotExpand(f"no traced block has the context {e.args[0]}") from None
+    template = templates(traced_kinds, kinds)
     copies: Dict[int, List[int]] = {}
     for j, t in enumerate(template):
         copies.setdefault(t, []).append(j)

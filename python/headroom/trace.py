@@ -12,10 +12,9 @@ depth. The tag comes from :meth:`StorageTrace.set_block` (forward and backward h
 optimizer and ``zero_grad`` phases, from the parameter an operator works on.
 
 What a kernel allocates inside itself and frees before returning (a cpu kernel's scratch) is not a
-storage any operator returns. For the kernels known to allocate much of it on the cpu (mkldnn's
-convolutions reorder their weights and inputs), ``probe_scratch`` runs the one kernel for real at
-the traced shapes, on zeros, and records what it allocated above its inputs and outputs as a
-transient allocation; each shape is probed once.
+storage any operator returns: with ``probe_scratch`` the kernels known to allocate much of it on
+the cpu are measured (:mod:`headroom.kernels`, each shape once) and recorded as a transient
+allocation; with ``cuda`` the sizes are those of the CUDA kernels that run in the cpu ones' place.
 
 Tracing changes one thing autograd decides: while any dispatch mode is active (and fake tensors are
 one), PyTorch treats every tensor as a subclass, and its engine then sums the gradients that meet
@@ -28,13 +27,14 @@ it is no view of another tensor).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import flop_registry
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import kernels
 
 PHASES = ("idle", "data", "forward", "backward", "optimizer", "zero_grad")
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
@@ -44,102 +44,6 @@ MIXED = -3  # the tag after a foreach operator, which reads every block's tensor
 
 # An event: (storage id, bytes, allocated, phase index, block tag).
 Event = Tuple[int, int, bool, int, int]
-
-# Operators whose meta kernel (what fake tensors run) refuses dtypes their cpu kernel takes: the
-# meta of grouped_mm wants bf16 (CUDA's rule), while transformers' MoE experts call it in fp32 on
-# the cpu. Their outputs' shapes come from the meta kernel run on bf16 stand-ins.
-_META_NEEDS_BF16 = {torch.ops.aten._grouped_mm.default}
-
-
-# cpu kernels with scratch of their own, probed for real (see the module's note).
-_PROBED = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
-_PROBE_LIMIT = 1 << 30  # inputs larger than this are not run for real: no scratch recorded
-
-
-def _kernel_scratch(func, args, kwargs) -> int:
-    """What ``func`` allocates inside itself above its inputs and outputs, run once on zeros of
-    the traced shapes under headroom's counting allocator (0 when the inputs exceed the limit)."""
-    from . import _core
-
-    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    if sum(t.untyped_storage().nbytes() for t in flat) > _PROBE_LIMIT:
-        return 0
-
-    def real(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype).zero_()
-
-    with _disable_current_modes():
-        real_args, real_kwargs = tree_map_only(torch.Tensor, real, args), tree_map_only(torch.Tensor, real, kwargs)
-        before = _core.cpu_live_bytes()
-        _core.reset_cpu_peak()
-        out = func(*real_args, **real_kwargs)
-        peak, after = _core.cpu_peak_bytes(), _core.cpu_live_bytes()
-        del out, real_args, real_kwargs
-    return max(0, peak - max(before, after))
-
-
-def _shape_key(func, args, kwargs) -> tuple:
-    def key(x):
-        if isinstance(x, torch.Tensor):
-            return ("T", tuple(x.shape), tuple(x.stride()), x.dtype)
-        return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
-
-    return (func,) + tuple(key(x) for x in tree_flatten((args, kwargs))[0])
-
-
-def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **kwargs) -> int:
-    """grouped_mm (not in torch's FLOP table): each row of ``a`` meets its group's matrix once."""
-    if a.dim() == 2 and b.dim() == 3:  # tokens x in, experts x in x out
-        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
-    if a.dim() == 2 and b.dim() == 2:  # the weights' gradient: in x tokens, tokens x out
-        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    if a.dim() == 3 and b.dim() == 3:
-        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-    return 2 * a.numel() * b.shape[-1]
-
-
-# --- where a CUDA kernel allocates otherwise than the cpu kernel traced in its place -------------
-_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def cuda_output_bytes(func, k: int, out: torch.Tensor, args) -> Optional[int]:
-    """The bytes of output ``k`` of a traced cpu operator as its CUDA counterpart allocates it, where
-    they differ: fp32 attention runs the memory-efficient kernel on cuda, whose log-sum-exp pads the
-    sequence to a multiple of 32 (bf16/fp16 run flash attention, whose log-sum-exp is the cpu's)."""
-    if func is _SDPA and k == 1 and args[0].dtype == torch.float32 and out.dim() == 3:
-        b, h, s = out.shape
-        return b * h * _round_up(s, 32) * 4
-    return None
-
-
-def cuda_scratch_bytes(func, args) -> int:
-    """What a CUDA kernel allocates inside itself where the cpu kernel traced in its place does not:
-    flash attention's backward keeps a float32 accumulator of the query gradient over sequence
-    rounded to 128 and head size rounded to 32, and the softmax's row sums; with fewer key/value
-    heads than query heads it expands their gradients to every head first. The memory-efficient
-    backward (fp32) keeps the row sums."""
-    if func is not _SDPA_BACKWARD:
-        return 0
-    q, k = args[1], args[2]
-    b, h, s, d = q.shape
-    if q.dtype == torch.float32:
-        return b * h * s * 4
-    rows = _round_up(s, 128)
-    scratch = b * rows * h * (_round_up(d, 32) if d <= 192 else 256) * 4 + b * h * rows * 4
-    if k.shape[1] != h:
-        scratch += 2 * b * k.shape[2] * h * d * q.element_size()
-    return scratch
-
-
-# The FLOPs of an operator: torch's own table (what FlopCounterMode counts), counted here as the
-# trace sees each operator, so no second dispatch mode (nor its module hooks, which keep tensors
-# alive longer) changes what is traced.
-_FLOPS = {**flop_registry, torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -151,23 +55,6 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _via_bf16_meta(func, args, kwargs):
-    """``func``'s fake outputs, shaped by its meta kernel over bf16 stand-ins of the inputs, in the
-    inputs' own floating dtype."""
-    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    dtype = next((t.dtype for t in flat if t.is_floating_point()), torch.bfloat16)
-    device = flat[0].device
-
-    def stand_in(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), device="meta",
-                                   dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
-
-    with unset_fake_temporarily():
-        meta_out = func(*tree_map_only(torch.Tensor, stand_in, args), **tree_map_only(torch.Tensor, stand_in, kwargs))
-    return tree_map_only(torch.Tensor, lambda o: torch.empty_strided(
-        tuple(o.shape), tuple(o.stride()), dtype=dtype if o.dtype == torch.bfloat16 else o.dtype, device=device), meta_out)
 
 
 class _Storage:
@@ -183,7 +70,7 @@ class StorageTrace(TorchDispatchMode):
     def __init__(self, probe_scratch: bool = False, cuda: bool = False) -> None:
         super().__init__()
         self.probe_scratch = probe_scratch
-        self.cuda = cuda  # sizes as the CUDA kernels allocate them (cuda_output_bytes, cuda_scratch_bytes)
+        self.cuda = cuda  # sizes as the CUDA kernels allocate them (headroom.kernels)
         self._scratch: Dict[tuple, int] = {}  # shape key -> bytes, of the probed kernels
         self.events: List[Event] = []
         self.storages: Dict[int, _Storage] = {}
@@ -315,13 +202,13 @@ class StorageTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._sum = None
-        if func in _META_NEEDS_BF16 and any(isinstance(t, FakeTensor) for t in tree_flatten(args)[0]):
-            out = _via_bf16_meta(func, args, kwargs)
+        if func in kernels.META_NEEDS_BF16 and any(isinstance(t, FakeTensor) for t in tree_flatten(args)[0]):
+            out = kernels.via_bf16_meta(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if not self.by_param:
             self.ops_in_phase += 1
-        formula = _FLOPS.get(func.overloadpacket)
+        formula = kernels.FLOPS.get(func.overloadpacket)
         if formula is not None:
             n = int(formula(*args, **kwargs, out_val=out))
             self.flops += n
@@ -362,20 +249,20 @@ class StorageTrace(TorchDispatchMode):
             if name == "_to_copy" and args and isinstance(args[0], torch.Tensor) and \
                     getattr(args[0].untyped_storage(), _ATTR, None) in self.weight_ids:
                 op = "weight copy"
-            sid = self._allocate(st, op, tag, cuda_output_bytes(func, k, t, args) if self.cuda else None)
+            sid = self._allocate(st, op, tag, kernels.cuda_output_bytes(func, k, t, args) if self.cuda else None)
             if self.by_param:
                 self.block_of[sid] = tag
             elif self.phase == "backward" and self._engine_sum(func, args, t):
                 old = getattr(args[0].untyped_storage(), _ATTR, None)
                 if old:
                     self._sum = (sid, old, weakref.ref(st), len(self.events) - 1)
-        if self.probe_scratch and func in _PROBED:
-            key = _shape_key(func, args, kwargs)
+        if self.probe_scratch and func in kernels.PROBED:
+            key = kernels.shape_key(func, args, kwargs)
             if key not in self._scratch:
-                self._scratch[key] = _kernel_scratch(func, args, kwargs)
+                self._scratch[key] = kernels.kernel_scratch(func, args, kwargs)
             self._transient(self._scratch[key], f"{name} scratch (probed on this cpu)")
         if self.cuda:
-            self._transient(cuda_scratch_bytes(func, args), f"{name} scratch (its CUDA kernel's)")
+            self._transient(kernels.cuda_scratch_bytes(func, args), f"{name} scratch (its CUDA kernel's)")
         return out
 
     def _transient(self, nbytes: int, op: str) -> None:
