@@ -330,8 +330,11 @@ def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing,
     blocks = Blocks(model)
     total, trainable = _count(model)
     name = type(model).__name__
-    whole = lambda: _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks,
-                                fake=fake)
+    # Micro-batches after the second allocate as the second does (it finds the first's gradients):
+    # two are traced, and the FLOPs scaled to all of them.
+    traced_accum = min(accum, 2)
+    whole = lambda: _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, traced_accum,
+                                blocks, fake=fake)
     note = "no repeated blocks: traced whole"
     traced_depth = blocks.depth
     try:
@@ -351,7 +354,7 @@ def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing,
                     continue
                 try:
                     t = _extrapolated(blocks, eff, shallow, check, fake, (model, inputs, loss_fn, optimizer, precision,
-                                                                          checkpointing, device, accum))
+                                                                          checkpointing, device, traced_accum))
                 except CannotExpand as e:
                     why = str(e)
                     continue
@@ -370,7 +373,7 @@ def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing,
     except Exception as e:  # noqa: BLE001 - the model's own error, said with what headroom was doing
         raise _prefixed(e, f"headroom.estimate: tracing {name}'s training step on "
                            f"{'fake' if fake else 'real'} tensors: ") from e
-    events, labels, step_begin, flops = t.events, t.labels, t.step_begin, t.flops
+    events, labels, step_begin, flops = t.events, t.labels, t.step_begin, t.flops * accum // traced_accum
     out = _result(events, labels, step_begin, name, total, device, allocator_conf)
     out["flops_per_step"] = int(flops)  # forward and backward (with recompute) of the accum micro-batches
     out["model"]["trainable_params"] = trainable

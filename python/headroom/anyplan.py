@@ -3,8 +3,9 @@
 The search runs over precision x checkpointing x optimizer x micro-batch (the accumulation follows
 from the global batch). For each of the first three, the micro-batches that divide the global batch
 are tried by bisection (a larger micro-batch never needs less memory), each by
-:func:`headroom.anymodel.estimate_model`. Step time is the traced FLOPs of the step — forward,
-backward and the recompute of checkpointing, as ``torch.utils.flop_counter`` counts them — at a
+:func:`headroom.anymodel.estimate_model` with its accumulation (the second micro-batch finds the
+first's gradients). Step time is the traced FLOPs of the step — forward, backward and the
+recompute of checkpointing, by torch's FLOP table — at a
 rate per precision: on cuda bf16 and fp16 run at twice fp32's (tensor cores), on cpu at fp32's; no
 fixed cost per micro-batch is assumed, so ties go to fewer micro-batches, then to the smaller peak.
 """
@@ -69,7 +70,7 @@ def plan_model(model: torch.nn.Module, inputs: Any = None, *, budget: Union[int,
                     if progress:
                         progress(f"estimating {precision}, checkpointing {ckpt}, micro-batch {micro}")
                     e = estimate_model(model, make(micro), loss_fn=loss_fn, optimizer=opt, precision=precision,
-                                       checkpointing=ckpt, device=device)
+                                       checkpointing=ckpt, device=device, accum=global_batch // micro)
                     if smallest is None or e["peak_bytes"] < smallest["bytes"]:
                         smallest = {"bytes": e["peak_bytes"], "plan": f"{precision}, checkpointing {ckpt}, micro {micro}"}
                     return e
@@ -91,8 +92,8 @@ def plan_model(model: torch.nn.Module, inputs: Any = None, *, budget: Union[int,
                     "optimizer": opt if isinstance(opt, str) else getattr(opt, "__name__", "callable"),
                     "attention": "flash", "shard": "none", "world_size": 1,
                     "predicted_peak_bytes": e["peak_bytes"], "predicted_reserved_bytes": e["reserved_bytes"],
-                    "flops_per_step": e["flops_per_step"] * accum,
-                    "_time": e["flops_per_step"] * accum / _rate(precision, device),
+                    "flops_per_step": e["flops_per_step"],
+                    "_time": e["flops_per_step"] / _rate(precision, device),
                 })
     plans.sort(key=lambda p: (p["_time"], p["accum"], p["predicted_peak_bytes"]))
     fastest = plans[0]["_time"] if plans else 1.0

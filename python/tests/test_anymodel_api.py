@@ -165,3 +165,17 @@ def test_python_m_headroom_bad_input_is_one_line_and_exit_2(tmp_path, args, mess
     lines = [line for line in done.stderr.splitlines() if line.startswith("headroom:")]
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_accumulation_traces_two_micro_batches_and_holds_for_four():
+    # The second micro-batch finds the first's gradients (the tied 94 MB embedding's among them):
+    # the peak rises over accum=1, and a real step of four micro-batches peaks where two do.
+    cfg = transformers.BertConfig(num_hidden_layers=2)
+    with torch.device("meta"):
+        model = transformers.BertForMaskedLM(cfg)
+    batch = {"input_ids": ids(2, 128, cfg.vocab_size), "labels": ids(2, 128, cfg.vocab_size)}
+    one, four = headroom.estimate(model, batch, accum=1), headroom.estimate(model, batch, accum=4)
+    run = headroom.measure(model, batch, accum=4)
+    assert four["peak_bytes"] > one["peak_bytes"]
+    assert abs(four["peak_bytes"] / run["peak_bytes"] - 1) < 0.01, (four["peak_bytes"], run["peak_bytes"])
+    assert four["flops_per_step"] == 4 * one["flops_per_step"]
