@@ -8,88 +8,18 @@
 #include <optional>
 #include <set>
 
+#include "config/field_reader.h"
+#include "config/family_readers.h"
 #include "data/embedded.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/json.h"
 
 namespace headroom {
-namespace {
 
 using nlohmann::json;
 
-// Reads fields of one config.json, remembering which it consulted so that an override of a field
-// no reader looks at can be refused instead of silently ignored.
-class FieldReader {
- public:
-  FieldReader(const json& j, std::string origin, std::string type)
-      : j_(j), origin_(std::move(origin)), type_(std::move(type)) {}
-
-  bool has(const std::string& key) {
-    used_.insert(key);
-    return j_.contains(key) && !j_.at(key).is_null();
-  }
-  // Present at all, null included.
-  bool present(const std::string& key) {
-    used_.insert(key);
-    return j_.contains(key);
-  }
-  int64_t integer(const std::string& key) {
-    if (!has(key)) fail("{}: missing field '{}' (required for model_type '{}')", origin_, key, type_);
-    return as_int(key);
-  }
-  int64_t integer_or(const std::string& key, int64_t fallback) { return has(key) ? as_int(key) : fallback; }
-  double number_or(const std::string& key, double fallback) {
-    if (!has(key)) return fallback;
-    const json& v = j_.at(key);
-    if (!v.is_number()) fail("{}: field '{}' must be a number, got {}", origin_, key, dump_json(v));
-    return v.get<double>();
-  }
-  bool boolean_or(const std::string& key, bool fallback) {
-    if (!has(key)) return fallback;
-    const json& v = j_.at(key);
-    if (!v.is_boolean()) fail("{}: field '{}' must be true or false, got {}", origin_, key, dump_json(v));
-    return v.get<bool>();
-  }
-  std::string string_or(const std::string& key, const std::string& fallback) {
-    if (!has(key)) return fallback;
-    const json& v = j_.at(key);
-    if (!v.is_string()) fail("{}: field '{}' must be a string, got {}", origin_, key, dump_json(v));
-    return v.get<std::string>();
-  }
-  const json& raw(const std::string& key) {
-    used_.insert(key);
-    return j_.at(key);
-  }
-  const std::set<std::string>& used() const { return used_; }
-
- private:
-  // Sizes and counts: integers up to 2^40, so that products of them (parameter counts, bytes) stay
-  // far from int64's range.
-  int64_t as_int(const std::string& key) {
-    constexpr int64_t kLimit = int64_t{1} << 40;
-    const json& v = j_.at(key);
-    std::optional<int64_t> n;
-    if (v.is_number_unsigned()) {
-      if (v.get<uint64_t>() <= static_cast<uint64_t>(kLimit)) n = static_cast<int64_t>(v.get<uint64_t>());
-    } else if (v.is_number_integer()) {
-      n = v.get<int64_t>();
-    } else if (v.is_number_float()) {
-      const double d = v.get<double>();
-      if (std::abs(d) <= static_cast<double>(kLimit) && d == std::floor(d)) n = static_cast<int64_t>(d);
-    }
-    if (v.is_number() && (!n || std::abs(*n) > kLimit)) {
-      fail("{}: field '{}' is out of range: {}; accepted: an integer of at most 2^40", origin_, key, dump_json(v));
-    }
-    if (!n) fail("{}: field '{}' must be an integer, got {}", origin_, key, dump_json(v));
-    return *n;
-  }
-
-  const json& j_;
-  std::string origin_;
-  std::string type_;
-  std::set<std::string> used_;
-};
+namespace config_reading {
 
 Activation parse_activation(const std::string& name, const std::string& origin) {
   if (name == "gelu") return Activation::gelu;
@@ -103,9 +33,13 @@ Activation parse_activation(const std::string& name, const std::string& origin) 
 // factor, ..., partial_rotary_factor}); earlier versions wrote rope_theta (gpt_neox: rotary_emb_base,
 // rotary_pct) and rope_scaling. Either is read: the older scalar fields over rope_parameters' values
 // where both are present, and rope_parameters over rope_scaling for the scaling.
+namespace {
 const char* rope_object_key(FieldReader& r) { return r.has("rope_parameters") ? "rope_parameters" : "rope_scaling"; }
 
-double rope_number(const json& s, const char* object, const char* key, double fallback, const std::string& origin) {
+}  // namespace
+
+double rope_number(const json& s, const std::string& object, const char* key, double fallback,
+                   const std::string& origin) {
   if (!s.contains(key) || s.at(key).is_null()) return fallback;
   if (!s.at(key).is_number()) fail("{}: {}.{} must be a number, got {}", origin, object, key, dump_json(s.at(key)));
   return s.at(key).get<double>();
@@ -124,6 +58,10 @@ void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin
   if (!r.has(object)) return;
   const json& s = r.raw(object);
   if (!s.is_object()) fail("{}: field '{}' must be an object or null", origin, object);
+  c.rope_scaling = rope_scaling_from(s, object, origin);
+}
+
+std::optional<RopeScaling> rope_scaling_from(const json& s, const std::string& object, const std::string& origin) {
   auto number = [&](const char* key, double fallback) { return rope_number(s, object, key, fallback, origin); };
   const char* type_key = s.contains("rope_type") ? "rope_type" : "type";
   std::string type = "default";
@@ -131,7 +69,7 @@ void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin
     if (!s.at(type_key).is_string()) fail("{}: {}.{} must be a string", origin, object, type_key);
     type = s.at(type_key).get<std::string>();
   }
-  if (type == "default") return;
+  if (type == "default") return std::nullopt;
   if (type != "llama3" && type != "linear") {
     fail("{}: {} type '{}' is not supported; accepted: default, linear, llama3", origin, object, type);
   }
@@ -149,11 +87,11 @@ void read_rope_scaling(FieldReader& r, ModelConfig& c, const std::string& origin
         origin, object);
   }
   rs.original_max_positions = static_cast<int64_t>(std::min(original, 1e9));
-  c.rope_scaling = rs;
+  return rs;
 }
 
-// llama, mistral and qwen2 share one layout; they differ in biases and defaults.
-void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) {
+void read_decoder_core(FieldReader& r, ModelConfig& c, const std::string& origin, double default_theta,
+                       const char* activation_key) {
   c.vocab_size = r.integer("vocab_size");
   c.hidden_size = r.integer("hidden_size");
   c.num_layers = r.integer("num_hidden_layers");
@@ -164,14 +102,49 @@ void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) 
   c.head_dim = r.integer_or("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
   c.norm = NormKind::rms_norm;
   c.norm_eps = r.number_or("rms_norm_eps", 1e-6);
-  c.activation = parse_activation(r.string_or("hidden_act", "silu"), origin);
+  c.activation = parse_activation(r.string_or(activation_key, "silu"), origin);
   c.gated_mlp = true;
   c.rotary_dim = c.head_dim;
-  c.rope_theta = r.number_or("rope_theta", rope_parameter(r, "rope_theta", 10000.0, origin));
+  c.rope_theta = r.number_or("rope_theta", rope_parameter(r, "rope_theta", default_theta, origin));
   read_rope_scaling(r, c, origin);
   c.attn_dropout = r.number_or("attention_dropout", 0.0);
   c.initializer_range = r.number_or("initializer_range", 0.02);
   c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
+}
+
+bool read_layer_types(FieldReader& r, ModelConfig& c, const std::string& origin) {
+  if (!r.has("layer_types")) return false;
+  const json& types = r.raw("layer_types");
+  if (!types.is_array() || static_cast<int64_t>(types.size()) < c.num_layers) {
+    fail("{}: layer_types must be a list of at least num_hidden_layers ({}) entries", origin, c.num_layers);
+  }
+  c.sliding_layers.clear();
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const json& t = types.at(static_cast<size_t>(i));
+    if (t != "sliding_attention" && t != "full_attention") {
+      fail("{}: layer_types[{}] is {}; accepted: \"sliding_attention\", \"full_attention\"", origin, i, dump_json(t));
+    }
+    c.sliding_layers.push_back(t == "sliding_attention");
+  }
+  return true;
+}
+
+void read_qwen_window(FieldReader& r, ModelConfig& c) {
+  if (r.boolean_or("use_sliding_window", false) && r.has("sliding_window")) {
+    c.sliding_window = r.integer("sliding_window");
+    c.window_from_layer = r.integer_or("max_window_layers", 28);
+  }
+}
+
+}  // namespace config_reading
+
+namespace {
+
+using namespace config_reading;
+
+// llama, mistral and qwen2 share one layout; they differ in biases and defaults.
+void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) {
+  read_decoder_core(r, c, origin);
   switch (c.family) {
     case Family::llama:
       c.qkv_bias = c.out_bias = r.boolean_or("attention_bias", false);
@@ -187,11 +160,7 @@ void read_llama_like(FieldReader& r, ModelConfig& c, const std::string& origin) 
       break;
     case Family::qwen2:
       c.qkv_bias = true;  // Qwen2Attention: q/k/v carry a bias, o_proj does not
-      // Qwen2: the window applies to layers from max_window_layers on, and only when enabled.
-      if (r.boolean_or("use_sliding_window", false) && r.has("sliding_window")) {
-        c.sliding_window = r.integer("sliding_window");
-        c.window_from_layer = r.integer_or("max_window_layers", 28);
-      }
+      read_qwen_window(r, c);
       break;
     default: break;
   }
@@ -280,18 +249,33 @@ void validate(const ModelConfig& c, const std::string& origin) {
         "<= 4M, heads <= 65536, key/value heads <= heads, head dim <= 65536, max positions <= 16M)",
         origin);
   }
+  if (c.moe) {
+    const MoeConfig& m = *c.moe;
+    positive("number of experts", m.experts);
+    positive("experts per token", m.top_k);
+    positive("expert intermediate size", m.intermediate_size);
+    positive("decoder_sparse_step", m.sparse_step);
+    if (m.experts > 65536 || m.top_k > m.experts || m.intermediate_size > (int64_t{1} << 22)) {
+      fail("{}: {} experts, {} per token, expert intermediate size {}: accepted 1 <= experts per token <= experts "
+           "<= 65536, expert intermediate size <= 4M",
+           origin, m.experts, m.top_k, m.intermediate_size);
+    }
+  }
   {
     // The parameter count in floating point, so that an absurd combination cannot overflow.
     const double d = static_cast<double>(c.hidden_size), q = static_cast<double>(c.num_heads * c.head_dim);
     const double kv = static_cast<double>(c.num_kv_heads * c.head_dim), i = static_cast<double>(c.intermediate_size);
-    const double params = static_cast<double>(c.num_layers) * (d * (q + 2 * kv) + q * d + 3 * d * i) +
+    const double mlp = c.moe ? static_cast<double>(c.moe->experts) * 3 * d * static_cast<double>(c.moe->intermediate_size)
+                             : 3 * d * i;
+    const double params = static_cast<double>(c.num_layers) * (d * (q + 2 * kv) + q * d + mlp) +
                           2 * static_cast<double>(c.vocab_size) * d + static_cast<double>(c.max_positions) * d;
     if (params > 1e15) {
       fail("{}: the sizes make about {:.3g} parameters; accepted: at most 10^15", origin, params);
     }
   }
-  if (c.head_dim * c.num_heads != c.hidden_size && c.family != Family::llama && c.family != Family::mistral &&
-      c.family != Family::qwen2) {
+  // Families whose head size is derived (hidden size / heads) rather than given.
+  const bool derived_head = c.family == Family::gpt2 || c.family == Family::gpt_neox || c.family == Family::phi3;
+  if (derived_head && c.head_dim * c.num_heads != c.hidden_size) {
     fail("{}: hidden size {} is not divisible by {} attention heads", origin, c.hidden_size, c.num_heads);
   }
   if (c.num_heads % c.num_kv_heads != 0) {
@@ -329,18 +313,62 @@ std::string read_text_file(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// The families: model_type, the family, and its reader. A new family is a row here and a reader
+// (config/families/).
+struct FamilyRow {
+  const char* model_type;
+  Family family;
+  void (*read)(FieldReader&, ModelConfig&, const std::string&);
+};
+
+const std::vector<FamilyRow>& family_table() {
+  static const std::vector<FamilyRow> rows = {
+      {"gpt2", Family::gpt2, read_gpt2},
+      {"llama", Family::llama, read_llama_like},
+      {"mistral", Family::mistral, read_llama_like},
+      {"qwen2", Family::qwen2, read_llama_like},
+      {"gpt_neox", Family::gpt_neox, read_gpt_neox},
+      {"qwen3", Family::qwen3, read_qwen3},
+      {"qwen3_moe", Family::qwen3_moe, read_qwen3},
+      {"mixtral", Family::mixtral, read_mixtral},
+      {"gemma3_text", Family::gemma3, read_gemma3},
+      {"phi3", Family::phi3, read_phi3},
+      {"olmo2", Family::olmo2, read_olmo2},
+  };
+  return rows;
+}
+
+}  // namespace
+
 const char* family_name(Family family) {
-  switch (family) {
-    case Family::gpt2: return "gpt2";
-    case Family::llama: return "llama";
-    case Family::mistral: return "mistral";
-    case Family::qwen2: return "qwen2";
-    case Family::gpt_neox: return "gpt_neox";
+  for (const auto& row : family_table()) {
+    if (row.family == family) return row.model_type;
   }
   return "?";
 }
 
-std::vector<std::string> supported_families() { return {"gpt2", "llama", "mistral", "qwen2", "gpt_neox"}; }
+std::vector<std::string> supported_families() {
+  std::vector<std::string> names;
+  for (const auto& row : family_table()) names.emplace_back(row.model_type);
+  names.emplace_back("gemma3");  // its text_config
+  return names;
+}
+
+bool ModelConfig::windowed(int64_t layer) const {
+  if (!sliding_window) return false;
+  if (!sliding_layers.empty()) return sliding_layers.at(static_cast<size_t>(layer));
+  return layer >= window_from_layer;
+}
+
+bool ModelConfig::sparse(int64_t layer) const {
+  if (!moe) return false;
+  for (int64_t d : moe->dense_layers) {
+    if (d == layer) return false;
+  }
+  return (layer + 1) % moe->sparse_step == 0;
+}
 
 std::vector<std::string> preset_names() {
   std::vector<std::string> names;
@@ -361,24 +389,35 @@ ModelConfig read_config(const nlohmann::json& j, const std::string& origin, std:
          dump_json(j.at("model_type")), fmt::join(supported_families(), ", "));
   }
   const std::string type = j.at("model_type").get<std::string>();
+  if (type == "gemma3") {
+    // The multimodal config: headroom trains its language model, text_config.
+    if (!j.contains("text_config") || !j.at("text_config").is_object()) {
+      fail("{}: a gemma3 config needs its text_config object (the language model headroom trains)", origin);
+    }
+    json text = j.at("text_config");
+    text["model_type"] = "gemma3_text";
+    if (j.contains("tie_word_embeddings") && !text.contains("tie_word_embeddings")) {
+      text["tie_word_embeddings"] = j.at("tie_word_embeddings");
+    }
+    ModelConfig c = read_config(text, origin, fields);
+    c.source = j;
+    return c;
+  }
   ModelConfig c;
   c.name = origin;
   c.source = j;
   FieldReader r(j, origin, type);
-  if (type == "gpt2") {
-    c.family = Family::gpt2;
-    read_gpt2(r, c, origin);
-  } else if (type == "llama" || type == "mistral" || type == "qwen2") {
-    c.family = type == "llama" ? Family::llama : type == "mistral" ? Family::mistral : Family::qwen2;
-    read_llama_like(r, c, origin);
-  } else if (type == "gpt_neox") {
-    c.family = Family::gpt_neox;
-    read_gpt_neox(r, c, origin);
-  } else {
+  const FamilyRow* row = nullptr;
+  for (const auto& candidate : family_table()) {
+    if (type == candidate.model_type) row = &candidate;
+  }
+  if (!row) {
     fail("{}: model_type '{}' is not native to headroom (native: {}); any transformers model: python -m headroom "
          "estimate|plan --model {} (the Python package, with transformers installed)", origin, type,
          fmt::join(supported_families(), ", "), origin);
   }
+  c.family = row->family;
+  row->read(r, c, origin);
   validate(c, origin);
   if (fields) *fields = r.used();
   return c;
@@ -412,7 +451,10 @@ ModelConfig load_model_config(const std::string& model, const std::vector<std::s
       fail("--set '{}': expected key=value, e.g. --set num_hidden_layers=2", o);
     }
     const std::string key = o.substr(0, eq);
-    j[key] = parse_override_value(o.substr(eq + 1));
+    // A multimodal gemma3 config: the overrides are its language model's (text_config).
+    const bool nested = j.value("model_type", json()) == "gemma3" && j.contains("text_config") &&
+                        j.at("text_config").is_object() && key != "model_type";
+    (nested ? j["text_config"] : j)[key] = parse_override_value(o.substr(eq + 1));
     keys.push_back(key);
   }
   std::set<std::string> fields;
@@ -435,11 +477,17 @@ int64_t count_parameters(const ModelConfig& c) {
   int64_t attn = d * (q_dim + 2 * kv_dim) + q_dim * d;
   if (c.qkv_bias) attn += q_dim + 2 * kv_dim;
   if (c.out_bias) attn += d;
+  if (c.qk_norm == QkNorm::per_head) attn += 2 * c.head_dim;
+  if (c.qk_norm == QkNorm::whole) attn += q_dim + kv_dim;
   const int64_t i = c.intermediate_size;
-  int64_t mlp = c.gated_mlp ? 3 * d * i : 2 * d * i;
-  if (c.mlp_bias) mlp += c.gated_mlp ? 2 * i + d : i + d;
-  const int64_t layer = attn + mlp + 2 * norm;
-  int64_t total = c.vocab_size * d + c.num_layers * layer + norm;
+  int64_t dense = c.gated_mlp ? 3 * d * i : 2 * d * i;
+  if (c.mlp_bias) dense += c.gated_mlp ? 2 * i + d : i + d;
+  const int64_t norms = (c.norm_placement == NormPlacement::sandwich ? 4 : 2) * norm;
+  int64_t total = c.vocab_size * d + norm;
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    const int64_t mlp = c.sparse(layer) ? c.moe->experts * (3 * d * c.moe->intermediate_size + d) : dense;
+    total += attn + mlp + norms;
+  }
   if (c.learned_positions) total += c.max_positions * d;
   if (!c.tie_word_embeddings) total += c.vocab_size * d;
   return total;

@@ -1,8 +1,10 @@
 // ModelConfig — one Transformer architecture, read from a Hugging Face config.json.
 //
-// Families: gpt2, llama, mistral, qwen2, gpt_neox. Each family's reader maps its own field names
-// (n_embd, hidden_size, ...) onto this one normalised struct, applying Hugging Face's defaults for
-// optional fields. A missing required field, an unknown model_type or an inconsistent size is an
+// Families: gpt2, llama, mistral, qwen2, gpt_neox, qwen3, qwen3_moe, mixtral, gemma3, phi3, olmo2.
+// Each family's reader (the older five in model_config.cpp, the rest one file each in
+// config/families/) maps its own field names (n_embd, hidden_size, ...) onto this one normalised
+// struct of switches, applying Hugging Face's defaults for optional fields; a new family is one
+// reader and one row of the table in model_config.cpp. A missing required field, an unknown model_type or an inconsistent size is an
 // Error naming it. The trainer (model/), and later the estimator, read only this struct.
 #pragma once
 
@@ -14,9 +16,28 @@
 
 namespace headroom {
 
-enum class Family { gpt2, llama, mistral, qwen2, gpt_neox };
+enum class Family { gpt2, llama, mistral, qwen2, gpt_neox, qwen3, qwen3_moe, mixtral, gemma3, phi3, olmo2 };
 enum class NormKind { layer_norm, rms_norm };
 enum class Activation { gelu, gelu_tanh, silu, relu };
+// RMS norms of the queries and keys before rotary: none, per head over head_dim (qwen3, gemma3),
+// or over the whole projection (olmo2).
+enum class QkNorm { none, per_head, whole };
+// Where a layer's norms sit around attention and the MLP (f): pre, x + f(norm(x)) (Llama); post,
+// x + norm(f(x)) (OLMo-2); sandwich, x + norm_out(f(norm_in(x))) (Gemma 2 and 3).
+enum class NormPlacement { pre, post, sandwich };
+
+// Mixture of experts in place of the MLP (qwen3_moe, mixtral): a router picks top_k of `experts`
+// gated MLPs for each token.
+struct MoeConfig {
+  int64_t experts = 0;
+  int64_t top_k = 0;
+  int64_t intermediate_size = 0;  // each expert's
+  bool normalise_top_k = true;    // the top-k routing weights rescaled to sum to one
+  int64_t sparse_step = 1;        // qwen3_moe: layer i is sparse when (i + 1) % sparse_step == 0 ...
+  std::vector<int64_t> dense_layers;  // ... and it is not one of these (mlp_only_layers)
+  bool aux_loss = false;              // output_router_logits: the load-balancing loss joins the loss
+  double aux_loss_coef = 0.0;         // router_aux_loss_coef
+};
 
 // Rotary frequency scaling ("rope_scaling" in config.json).
 struct RopeScaling {
@@ -59,6 +80,16 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::optional<int64_t> sliding_window;
   int64_t window_from_layer = 0;  // layers with index >= this use the window (qwen2: max_window_layers)
+  std::vector<bool> sliding_layers;  // when not empty, which layers use the window (gemma3's 5:1 pattern)
+  std::optional<double> local_rope_theta;  // the rotary base of windowed layers, when theirs (gemma3)
+
+  QkNorm qk_norm = QkNorm::none;
+  NormPlacement norm_placement = NormPlacement::pre;
+  bool norm_plus_one = false;       // gemma: an RMS norm scales by (1 + weight), its weight stored as zero
+  double embed_scale = 1.0;         // gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype
+  std::optional<double> attn_scale;  // the attention's softmax scale; default 1/sqrt(head_dim)
+  bool fused_gate_up = false;        // phi3: one gate_up projection, the gate its first half
+  std::optional<MoeConfig> moe;
 
   double embd_dropout = 0.0;
   double attn_dropout = 0.0;
@@ -66,6 +97,11 @@ struct ModelConfig {
   double initializer_range = 0.02;
 
   nlohmann::json source;  // the config.json as read, with --set overrides applied
+
+  // Layer i attends through the sliding window.
+  bool windowed(int64_t layer) const;
+  // Layer i's MLP is a mixture of experts.
+  bool sparse(int64_t layer) const;
 };
 
 const char* family_name(Family family);

@@ -149,6 +149,11 @@ const std::vector<RunField>& run_fields() {
       choice("checkpointing", "activation checkpointing: none, selective (attention), full (every layer) or every:K",
              &RunConfig::checkpointing, &parse_checkpoint_policy,
              [](const CheckpointPolicy& k) { return k.name(); }),
+      choice("moe-routing",
+             "estimate, plan, fit, doctor on a mixture of experts: the routing to assume: balanced (default), worst "
+             "(top_k experts take every token) or the hottest expert's load relative to the balanced share, as "
+             "`headroom train` measures it (e.g. 1.8)",
+             &RunConfig::routing, &parse_moe_routing, [](const MoeRouting& r) { return r.name(); }),
       {"memory-budget", Kind::text,
        "device memory to allow, e.g. 512MiB, 24GiB: on cpu a simulated device of that size, on cuda a cap "
        "below the card",

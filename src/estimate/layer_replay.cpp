@@ -41,12 +41,19 @@ void LayerReplay::construct_model() {
     prm.cols = np.tensor.dim() == 2 ? np.tensor.size(1) : 0;
     prm.t.numel = np.tensor.numel();
     prm.t.elem = ew_;
+    // A mixture of experts' weights and gradients are shown apart from the dense ones.
+    const bool expert = np.name.find(".mlp.experts.") != std::string::npos;
+    if (expert && expert_weights_ < 0) {
+      const std::string w = fmt::format("{} B each", ew_);
+      expert_weights_ = mem_.label("expert weights", Category::weights, "the experts' parameters × " + w);
+      expert_grads_ = mem_.label("expert gradients", Category::gradients, "the experts' parameters × " + w);
+    }
     // full: the parameter holds nothing between uses; the rank's slice is its weight (the gate's).
-    if (!gate_) prm.t.buf = mem_.allocate(prm.t.numel * ew_, weights_);
+    if (!gate_) prm.t.buf = mem_.allocate(prm.t.numel * ew_, expert ? expert_weights_ : weights_);
     prm.t.slot = std::make_shared<sim::GradSlot>();
     prm.t.slot->numel = prm.t.numel;
     prm.t.slot->elem = ew_;
-    prm.t.slot->param_label = grads_;
+    prm.t.slot->param_label = expert ? expert_grads_ : grads_;
     params_.emplace(np.name, prm);
     order_.push_back(np.name);
   }
@@ -69,7 +76,7 @@ const Param* LayerReplay::maybe(const std::string& name) const {
   return it == params_.end() ? nullptr : &it->second;
 }
 
-Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Tensor& cos, const Tensor& sin) {
+Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& rope) {
   const std::string pre = fmt::format("layers.{}.attn.", layer);
   const int64_t tokens = x.numel / c_.hidden_size;
   const AttentionShape shape{tokens / s_.seq, s_.seq, c_.num_heads, c_.num_kv_heads, c_.head_dim};
@@ -90,19 +97,30 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Tensor
     k = linear(x, p(pre + "k_proj.weight"), maybe(pre + "k_proj.bias"), qkv_lbl);
     v = linear(x, p(pre + "v_proj.weight"), maybe(pre + "v_proj.bias"), qkv_lbl);
   }
+  if (c_.qk_norm != QkNorm::none) {
+    // Per head or over the whole projection, the same kernel: the weight's width differs.
+    q = rms_norm(q, p(pre + "q_norm.weight"), c_.norm_plus_one);
+    k = rms_norm(k, p(pre + "k_norm.weight"), c_.norm_plus_one);
+  }
   const bool rotated = !c_.learned_positions;
   if (rotated) {
+    const bool local = c_.windowed(layer) && c_.local_rope_theta.has_value();
+    const Tensor& cos = local ? rope.local_cos : rope.cos;
+    const Tensor& sin = local ? rope.local_sin : rope.sin;
     q = rotary(q, c_.num_heads, c_.head_dim, c_.rotary_dim, cos, sin);
     k = rotary(k, c_.num_kv_heads, c_.head_dim, c_.rotary_dim, cos, sin);
   }
-  const bool windowed = layer >= c_.window_from_layer && c_.sliding_window && *c_.sliding_window < s_.seq;
+  const bool windowed = c_.windowed(layer) && *c_.sliding_window < s_.seq;
   Tensor y;
   if (s_.attention == AttentionPath::math) {
     y = explicit_attention(q, k, v, shape, windowed, c_.attn_dropout);
   } else if (c_.attn_dropout > 0) {
     y = math_fallback_attention(q, k, v, shape, c_.attn_dropout);  // the fused kernel has no dropout on cpu
   } else {
-    y = fused_attention(q, k, v, shape, windowed, rotated && c_.rotary_dim != c_.head_dim);
+    // A query that is not a transposed view of its projection — partial rotary's cat, a q norm's
+    // output — makes the kernel's output contiguous in [B, heads, T, hd], and the merge copy it.
+    const bool contiguous_query = (rotated && c_.rotary_dim != c_.head_dim);
+    y = fused_attention(q, k, v, shape, windowed, contiguous_query);
   }
   q = k = v = Tensor{};
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
@@ -112,10 +130,35 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Tensor
 
 Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& x) {
   const std::string pre = fmt::format("layers.{}.mlp.", layer);
+  if (c_.sparse(layer)) {
+    const MoeConfig& moe = *c_.moe;
+    std::vector<ExpertWeights> experts;
+    for (int64_t e = 0; e < moe.experts; ++e) {
+      const std::string ep = fmt::format("{}experts.{}.", pre, e);
+      experts.push_back({&p(ep + "gate_proj.weight"), &p(ep + "up_proj.weight"), &p(ep + "down_proj.weight")});
+    }
+    const int64_t rows = x.numel / c_.hidden_size;
+    const bool stats = moe.aux_loss && g_->grad_mode() && g_ == &graph_;
+    const int aux = mem_.label("router load-balancing loss", Category::loss,
+                               "per layer: assignments and probabilities summed per expert, float32 × experts");
+    Tensor y = mixture_of_experts(x, p(pre + "router.weight"), experts, moe.top_k, moe.normalise_top_k,
+                                  s_.routing.loads(rows, moe.experts, moe.top_k),
+                                  c_.activation == Activation::relu, stats, aux);
+    return dropout(y, c_.resid_dropout, act("residual stream", "block outputs and residual sums, B·T·hidden each"));
+  }
   const int lbl = act("MLP activations", "up/gate projections and activation outputs, B·T·intermediate each");
   const bool relu = c_.activation == Activation::relu;
   Tensor h;
-  if (c_.gated_mlp) {
+  if (c_.fused_gate_up) {
+    const Param& w = p(pre + "gate_up_proj.weight");
+    Tensor both = linear(x, w, nullptr, lbl);
+    const int64_t half = both.numel / 2;
+    Tensor gate = g_->alias(both, half), up = g_->alias(both, half);
+    // chunk's backward: the two gradients concatenated into one.
+    g_->record({&gate, &up}, {},
+               [this, both = meta(both)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(both)}; });
+    h = mul(activation(gate, relu), up, lbl);
+  } else if (c_.gated_mlp) {
     Tensor gate = activation(linear(x, p(pre + "gate_proj.weight"), maybe(pre + "gate_proj.bias"), lbl), relu);
     Tensor up = linear(x, p(pre + "up_proj.weight"), maybe(pre + "up_proj.bias"), lbl);
     h = mul(gate, up, lbl);
@@ -164,25 +207,35 @@ Tensor LayerReplay::checkpointed(const std::function<Tensor(const Tensor&)>& fn,
   return y;
 }
 
-Tensor LayerReplay::block(int64_t layer, const Tensor& x, const Tensor& cos, const Tensor& sin, bool selective) {
+Tensor LayerReplay::block(int64_t layer, const Tensor& x, const Rope& rope, bool selective) {
   const std::string pre = fmt::format("layers.{}.", layer);
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
-  const Param& n1 = p(pre + "input_norm.weight");
-  const Param* n1b = maybe(pre + "input_norm.bias");
-  const Param& n2 = p(pre + "post_attention_norm.weight");
-  const Param* n2b = maybe(pre + "post_attention_norm.bias");
   auto attend = [&](const Tensor& normed) {
-    if (!selective || !g_->grad_mode()) return attention_block(layer, normed, cos, sin);
-    return checkpointed([this, layer, cos, sin](const Tensor& h) { return attention_block(layer, h, cos, sin); },
-                        normed);
+    if (!selective || !g_->grad_mode()) return attention_block(layer, normed, rope);
+    return checkpointed([this, layer, rope](const Tensor& h) { return attention_block(layer, h, rope); }, normed);
   };
+  auto pre_norm = [&](const char* name, const Tensor& in) {
+    return norm(in, p(pre + name + ".weight"), maybe(pre + name + ".bias"));
+  };
+  auto out_norm = [&](const char* name, const Tensor& in) { return norm(in, p(pre + name + ".weight"), nullptr); };
   if (c_.parallel_residual) {
-    Tensor with_attn = add(x, attend(norm(x, n1, n1b)), res_lbl);
-    Tensor m = mlp_block(layer, norm(x, n2, n2b));
+    Tensor with_attn = add(x, attend(pre_norm("input_norm", x)), res_lbl);
+    Tensor m = mlp_block(layer, pre_norm("post_attention_norm", x));
     return add(with_attn, m, res_lbl);
   }
-  Tensor h = add(x, attend(norm(x, n1, n1b)), res_lbl);
-  return add(h, mlp_block(layer, norm(h, n2, n2b)), res_lbl);
+  switch (c_.norm_placement) {
+    case NormPlacement::post: {
+      Tensor h = add(x, out_norm("attention_out_norm", attend(x)), res_lbl);
+      return add(h, out_norm("mlp_out_norm", mlp_block(layer, h)), res_lbl);
+    }
+    case NormPlacement::sandwich: {
+      Tensor h = add(x, out_norm("attention_out_norm", attend(pre_norm("input_norm", x))), res_lbl);
+      return add(h, out_norm("mlp_out_norm", mlp_block(layer, pre_norm("post_attention_norm", h))), res_lbl);
+    }
+    case NormPlacement::pre: break;
+  }
+  Tensor h = add(x, attend(pre_norm("input_norm", x)), res_lbl);
+  return add(h, mlp_block(layer, pre_norm("post_attention_norm", h)), res_lbl);
 }
 
 Tensor LayerReplay::gate_backward(const Tensor& x, int unit) {
@@ -202,6 +255,7 @@ Tensor LayerReplay::forward(int64_t rows) {
   const Param& embed = p("embed_tokens.weight");
   if (gate_) gate_->gather(0);
   Tensor x = embedding(embed, tokens, ew_, res_lbl);
+  if (c_.embed_scale != 1.0) x = scale(x, res_lbl);
   if (c_.learned_positions) {
     const Param& pos = p("embed_positions.weight");
     Ref arange = mem_.allocate(t * 8, tmp_);
@@ -210,22 +264,26 @@ Tensor LayerReplay::forward(int64_t rows) {
     x = add(x, pe, res_lbl);
   }
   x = dropout(x, c_.embd_dropout, res_lbl);
-  Tensor cos, sin;
+  Rope rope;
   if (!c_.learned_positions) {
     const int64_t rd = c_.rotary_dim;
-    const int lbl = act("rotary tables", "cos and sin, seq × rotary_dim");
-    Ref inv = mem_.allocate(rd / 2 * 4, tmp_), pos = mem_.allocate(t * 4, tmp_);
-    Ref freqs = mem_.allocate(t * rd / 2 * 4, tmp_), emb = mem_.allocate(t * rd * 4, tmp_);
-    cos = make(t * rd, 4, lbl, false);
-    sin = make(t * rd, 4, lbl, false);
+    const int lbl = act("rotary tables", "cos and sin, seq × rotary_dim (and the windowed layers' own)");
+    auto tables = [&](Tensor& cos, Tensor& sin) {
+      Ref inv = mem_.allocate(rd / 2 * 4, tmp_), pos = mem_.allocate(t * 4, tmp_);
+      Ref freqs = mem_.allocate(t * rd / 2 * 4, tmp_), emb = mem_.allocate(t * rd * 4, tmp_);
+      cos = make(t * rd, 4, lbl, false);
+      sin = make(t * rd, 4, lbl, false);
+    };
+    tables(rope.cos, rope.sin);
+    if (c_.local_rope_theta) tables(rope.local_cos, rope.local_sin);
   }
   for (int64_t i = 0; i < c_.num_layers; ++i) {
     const int unit = 1 + static_cast<int>(i);
     if (gate_) gate_->gather(unit);
     if (s_.checkpointing.whole_layer(i) && g_->grad_mode()) {
-      x = checkpointed([this, i, cos, sin](const Tensor& in) { return block(i, in, cos, sin, false); }, x);
+      x = checkpointed([this, i, rope](const Tensor& in) { return block(i, in, rope, false); }, x);
     } else {
-      x = block(i, x, cos, sin, s_.checkpointing.attention_only());
+      x = block(i, x, rope, s_.checkpointing.attention_only());
     }
     if (gate_) {
       gate_->forward_done(unit, g_->grad_mode());

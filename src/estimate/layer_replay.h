@@ -55,16 +55,20 @@ class LayerReplay : protected sim::Ops {
   const TrainSpec& s_;
   int ew_;  // parameter bytes
   int weights_, grads_;
+  int expert_weights_ = -1, expert_grads_ = -1;  // a mixture of experts' (labels made when there are experts)
   std::map<std::string, sim::Param> params_;
   std::vector<std::string> order_;    // parameter names in registration order
   std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
 
  private:
-  sim::Tensor attention_block(int64_t layer, const sim::Tensor& x, const sim::Tensor& cos, const sim::Tensor& sin);
+  // The rotary tables: cos and sin, and the windowed layers' own (gemma3).
+  struct Rope {
+    sim::Tensor cos, sin, local_cos, local_sin;
+  };
+  sim::Tensor attention_block(int64_t layer, const sim::Tensor& x, const Rope& rope);
   sim::Tensor mlp_block(int64_t layer, const sim::Tensor& x);
   // One decoder layer; `selective`: its attention is checkpointed (the layer itself is not).
-  sim::Tensor block(int64_t layer, const sim::Tensor& x, const sim::Tensor& cos, const sim::Tensor& sin,
-                    bool selective);
+  sim::Tensor block(int64_t layer, const sim::Tensor& x, const Rope& rope, bool selective);
   // fn(x) under activation checkpointing: run without recording, recomputed in backward.
   sim::Tensor checkpointed(const std::function<sim::Tensor(const sim::Tensor&)>& fn, const sim::Tensor& x);
   // An identity whose backward has the gate gather `unit` first.
@@ -73,7 +77,7 @@ class LayerReplay : protected sim::Ops {
   const sim::Param& p(const std::string& name) const;
   const sim::Param* maybe(const std::string& name) const;
   sim::Tensor norm(const sim::Tensor& x, const sim::Param& w, const sim::Param* b) {
-    return c_.norm == NormKind::layer_norm ? layer_norm(x, w, b) : rms_norm(x, w);
+    return c_.norm == NormKind::layer_norm ? layer_norm(x, w, b) : rms_norm(x, w, c_.norm_plus_one);
   }
 
   ShardGate* gate_ = nullptr;

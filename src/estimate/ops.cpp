@@ -86,7 +86,15 @@ Tensor Ops::slice(const Tensor& x, int64_t numel) {
   return v;
 }
 
-Tensor Ops::rms_norm(const Tensor& in, const Param& w) {
+Tensor Ops::rms_norm(const Tensor& in, const Param& w_in, bool plus_one) {
+  Param w = w_in;
+  if (plus_one) {
+    // Gemma: the kernel gets 1 + w, a new vector whose gradient passes back to w.
+    w.t = make(w_in.t.numel, w_in.t.elem, tmp_, w_in.t.requires_grad());
+    g_->record({&w.t}, {}, [w0 = meta(w_in.t)](const std::vector<Ref>& in) {
+      return std::vector<Emit>{pass_to(w0, in[0])};
+    });
+  }
   const int64_t rows = in.numel / w.t.numel;
   const int lbl =
       act("norm activations", "per norm: float32 input and normalised input, B·T·hidden each, and the output");
@@ -326,6 +334,120 @@ Tensor Ops::explicit_attention(const Tensor& q, const Tensor& k, const Tensor& v
   return merge_heads(heads_out, out_lbl);
 }
 
+Tensor Ops::mixture_of_experts(const Tensor& x, const Param& router, const std::vector<ExpertWeights>& experts,
+                               int64_t top_k, bool normalise, const std::vector<int64_t>& loads, bool gate_relu,
+                               bool stats, int aux_label) {
+  const int64_t count = static_cast<int64_t>(experts.size()), d = router.cols, rows = x.numel / d;
+  const int64_t picks = rows * top_k;
+  const int logits_lbl = act("router logits", "router logits and float32 probabilities, B·T·experts each");
+  const int topk_lbl = act("top-k weights and indices", "B·T·top_k routing weights (float32 and cast) and int64 "
+                                                        "indices, and the int64 order that groups them by expert");
+  const int gather_lbl = act("expert gather buffers", "the tokens gathered by expert, B·T·top_k·hidden");
+  const int mlp_lbl = act("expert activations", "gate, up and their product per expert, B·T·top_k·moe_intermediate each");
+  const int scatter_lbl =
+      act("expert scatter buffers", "the experts' outputs joined and weighted, B·T·top_k·hidden, summed into B·T·hidden");
+  Tensor flat = view(x);
+  Tensor logits = linear(flat, router, nullptr, logits_lbl);
+  const int e = logits.elem;
+  // softmax(dtype=float32): a 2-byte input is converted first; softmax keeps its output.
+  Tensor converted = cast(logits, 4, tmp_);
+  Tensor probs = make(rows * count, 4, logits_lbl);
+  g_->record({&probs}, {probs.buf}, [this, in = meta(converted)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(in)};
+  });
+  converted = logits = Tensor{};
+  // topk: the values, and the indices it keeps; backward scatters into zeros of the input's size.
+  Tensor top = make(picks, 4, topk_lbl);
+  Ref indices = mem_.allocate(picks * 8, topk_lbl);
+  g_->record({&top}, {indices}, [this, probs = meta(probs)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(probs)};
+  });
+  if (normalise) {
+    Tensor sum = make(rows, 4, tmp_, top.requires_grad());
+    // sum's backward expands its gradient: a view, which the engine adds out of place.
+    g_->record({&sum}, {}, [top = meta(top)](const std::vector<Ref>& in) {
+      return std::vector<Emit>{Emit{top.slot, in[0], true}};
+    });
+    Tensor divided = make(picks, 4, topk_lbl, top.requires_grad());
+    g_->record({&divided}, {top.buf, sum.buf}, [this, top = meta(top), sum = meta(sum)](const std::vector<Ref>&) {
+      Emit self = grad_to(top);
+      Ref a = g_->scratch(top.bytes()), b = g_->scratch(top.bytes());  // -grad · self / other²
+      return std::vector<Emit>{self, grad_to(sum)};
+    });
+    top = divided;
+  }
+  Tensor weights = cast(top, e, topk_lbl);
+  top = Tensor{};
+  if (stats) {
+    // bincount of the choices (int64), as float32; the probabilities summed per expert.
+    { Ref counted = mem_.allocate(count * 8, tmp_); }
+    Ref assigned = mem_.allocate(count * 4, aux_label);
+    Tensor summed = make(count, 4, aux_label);
+    g_->record({&summed}, {}, [probs = meta(probs)](const std::vector<Ref>& in) {
+      return std::vector<Emit>{Emit{probs.slot, in[0], true}};
+    });
+    aux_.push_back(summed);
+    aux_refs_.push_back(assigned);
+  }
+  probs = Tensor{};
+  // Without gradients: the stable sort's values and order, each token's row, the loads.
+  Ref order, token;
+  {
+    Ref values = mem_.allocate(picks * 8, tmp_);
+    order = mem_.allocate(picks * 8, topk_lbl);
+    token = mem_.allocate(picks * 8, topk_lbl);
+    values.reset();
+  }
+  Ref sizes = mem_.allocate(count * 8, tmp_);
+  Tensor gathered = make(picks * d, flat.elem, gather_lbl, flat.requires_grad());
+  g_->record({&gathered}, {token}, [this, flat = meta(flat)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(flat)};  // zeros of the input's size, index_add
+  });
+  Tensor weight = make(picks, weights.elem, topk_lbl, weights.requires_grad());
+  g_->record({&weight}, {order}, [this, w = meta(weights)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(w)};
+  });
+  weights = Tensor{};
+  std::vector<Tensor> pieces;
+  std::vector<const Tensor*> piece_ptrs;
+  pieces.reserve(experts.size());
+  for (int64_t load : loads) pieces.push_back(g_->alias(gathered, load * d));
+  for (const Tensor& t : pieces) piece_ptrs.push_back(&t);
+  // split's backward: one concatenation of the pieces' gradients.
+  g_->record(piece_ptrs, {}, [this, gathered = meta(gathered)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(gathered)};
+  });
+  gathered = Tensor{};
+  std::vector<Tensor> outputs;
+  outputs.reserve(experts.size());
+  for (size_t i = 0; i < experts.size(); ++i) {
+    Tensor gate = activation(linear(pieces[i], *experts[i].gate, nullptr, mlp_lbl), gate_relu);
+    Tensor up = linear(pieces[i], *experts[i].up, nullptr, mlp_lbl);
+    Tensor h = mul(gate, up, mlp_lbl);
+    gate = up = Tensor{};
+    outputs.push_back(linear(h, *experts[i].down, nullptr, scatter_lbl));
+  }
+  pieces.clear();
+  const int out_elem = outputs.empty() ? e : outputs.front().elem;
+  Tensor joined = make(picks * d, out_elem, scatter_lbl);
+  std::vector<SlotPtr> slots;
+  for (const Tensor& o : outputs) slots.push_back(o.slot);
+  g_->record({&joined}, {}, [slots](const std::vector<Ref>& in) {
+    std::vector<Emit> out;
+    for (const SlotPtr& s : slots) out.push_back(Emit{s, in[0], true});  // narrow views of the gradient
+    return out;
+  });
+  outputs.clear();
+  Tensor weighted = mul(joined, weight, scatter_lbl);
+  joined = weight = Tensor{};
+  // zeros [tokens, hidden], index_add_ in place: backward selects the gradient's rows.
+  Tensor out = make(rows * d, weighted.elem, scatter_lbl, weighted.requires_grad());
+  g_->record({&out}, {token}, [this, weighted = meta(weighted)](const std::vector<Ref>&) {
+    return std::vector<Emit>{grad_to(weighted)};
+  });
+  return view(out);
+}
+
 Tensor Ops::embedding(const Param& table, int64_t tokens, int elem, int label) {
   Tensor x = make(tokens * table.cols, elem, label);
   g_->record({&x}, {}, [this, &table](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(table.t)}; });
@@ -364,6 +486,7 @@ const std::vector<std::string>& modeled_operators() {
       "fused_attention",
       "math_fallback_attention",
       "explicit_attention",
+      "mixture_of_experts",
   };
   return names;
 }

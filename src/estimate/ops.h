@@ -77,8 +77,9 @@ class Ops {
   Tensor slice(const Tensor& x, int64_t numel);
 
   // ATen's rms_norm: in float32 whatever the input (a 2-byte input is upcast first and the result
-  // cast back): pow → mean → + eps → rsqrt → x · r → · weight.
-  Tensor rms_norm(const Tensor& in, const Param& w);
+  // cast back): pow → mean → + eps → rsqrt → x · r → · weight. `plus_one` (gemma): the weight
+  // used is 1 + w, a vector made first. The norm's width is the weight's.
+  Tensor rms_norm(const Tensor& in, const Param& w, bool plus_one = false);
 
   Tensor layer_norm(const Tensor& x, const Param& w, const Param* b);
 
@@ -105,6 +106,18 @@ class Ops {
   Tensor explicit_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s, bool windowed,
                             double dropout_p);
 
+  // model/experts.cpp's mixture_of_experts over x ([tokens, hidden]): the router's logits and
+  // float32 probabilities, top-k, the renormalisation, the sort that groups tokens by expert, the
+  // gathered inputs, each expert's gated MLP on its `loads` rows, the joined and weighted outputs
+  // and the scatter back. `gate_relu`: the activation saves its result. `stats`: the load-balancing
+  // loss's statistics are taken (probabilities summed per expert, under `aux_label`).
+  struct ExpertWeights {
+    const Param *gate, *up, *down;
+  };
+  Tensor mixture_of_experts(const Tensor& x, const Param& router, const std::vector<ExpertWeights>& experts,
+                            int64_t top_k, bool normalise, const std::vector<int64_t>& loads, bool gate_relu,
+                            bool stats, int aux_label);
+
   // at::embedding of `tokens` rows of `table` (its gradient: a dense table-sized buffer).
   Tensor embedding(const Param& table, int64_t tokens, int elem, int label);
   // The trainer's token_loss: logits.to(float32), the targets flattened (a copy, under
@@ -125,6 +138,9 @@ class Ops {
   int copies_;  // autocast's 2-byte weight copies
   bool mixed_;
   std::map<const Param*, Tensor>* cache_ = nullptr;  // autocast's weight copies, per forward
+  // The load-balancing loss's running statistics (mixture_of_experts with stats), per layer.
+  std::vector<Tensor> aux_;
+  std::vector<Ref> aux_refs_;
 };
 
 // The operators modelled above, by name; each has its case in the operator table test.

@@ -64,8 +64,15 @@ std::vector<Ref> OptimizerReplay::make_state(const CausalLM& shapes) {
       }
     }
     const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, owned, options);
-    for (const NamedTensor& t : real->state())
-      state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), st));
+    int expert_st = -1;  // a mixture of experts' state, shown apart from the dense weights'
+    for (const NamedTensor& t : real->state()) {
+      int label = st;
+      if (t.name.find(".mlp.experts.") != std::string::npos) {
+        if (expert_st < 0) expert_st = mem_.label("expert optimizer state", Category::optimizer, state_formula() + " (the experts' parameters)");
+        label = expert_st;
+      }
+      state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), label));
+    }
     for (const at::Tensor& t : real->working_memory()) {
       state.push_back(mem_.allocate(static_cast<int64_t>(t.nbytes()), working));
     }

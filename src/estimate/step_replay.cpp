@@ -82,6 +82,21 @@ Tensor StepReplay::forward_phase(int64_t rows, int batch_lbl, int loss_lbl) {
   std::map<const Param*, Tensor> cache;
   cache_ = &cache;
   Tensor loss = token_loss(forward(rows), tokens, vocab, batch_lbl, loss_lbl);
+  if (!aux_.empty()) {
+    // The router's load-balancing loss (model/experts.h), from each sparse layer's statistics,
+    // added to the loss.
+    Tensor aux = make(1, 4, mem_.label("router load-balancing loss", Category::loss), true);
+    std::vector<Tensor> parts;
+    for (const Tensor& t : aux_) parts.push_back(meta(t));
+    g_->record({&aux}, {}, [this, parts](const std::vector<Ref>&) {
+      std::vector<sim::Emit> e;
+      for (const Tensor& t : parts) e.push_back(grad_to(t));
+      return e;
+    });
+    aux_.clear();
+    aux_refs_.clear();
+    loss = add(loss, aux, loss_lbl);
+  }
   cache.clear();
   cache_ = nullptr;
   return loss;

@@ -20,11 +20,11 @@ at::Tensor blocked_positions(int64_t t, std::optional<int64_t> window, const at:
 }  // namespace
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionPath path,
-                            double dropout_p, std::optional<int64_t> sliding_window) {
+                            double dropout_p, std::optional<int64_t> sliding_window, std::optional<double> scale_in) {
   const int64_t t = q.size(2);
   const int64_t groups = q.size(1) / k.size(1);
   const bool windowed = sliding_window && *sliding_window < t;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const double scale = scale_in.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
 
   if (path == AttentionPath::flash) {
     if (!windowed) {

@@ -17,8 +17,10 @@
 namespace headroom {
 
 // q: [B, H, T, D]; k, v: [B, Hkv, T, D] with H a multiple of Hkv (grouped-query attention).
-// A sliding window w lets position t see positions (t-w, t]. Returns [B, H, T, D].
+// A sliding window w lets position t see positions (t-w, t]. `scale` multiplies q·kᵀ (default
+// 1/sqrt(D)). Returns [B, H, T, D].
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionPath path,
-                            double dropout_p, std::optional<int64_t> sliding_window);
+                            double dropout_p, std::optional<int64_t> sliding_window,
+                            std::optional<double> scale = std::nullopt);
 
 }  // namespace headroom

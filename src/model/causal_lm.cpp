@@ -20,16 +20,17 @@ at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> sha
 
 namespace {
 
-// A parameter's initial value as Hugging Face draws it, on the CPU: norm weights one, biases zero,
+// A parameter's initial value as Hugging Face draws it, on the CPU: norm weights one (gemma's, used as
+// 1 + w: zero), biases zero,
 // the rest normal(0, std_dev), the residual projections normal(0, proj_std).
 at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double std_dev, double proj_std,
-                         const at::Generator& gen) {
+                         double norm_weight, const at::Generator& gen) {
   at::Tensor cpu = at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
   const bool is_norm = name.find("norm.") != std::string::npos;
   const bool is_bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
   const bool is_residual_proj =
       name.find("o_proj.weight") != std::string::npos || name.find("down_proj.weight") != std::string::npos;
-  if (is_norm && !is_bias) cpu.fill_(1.0);
+  if (is_norm && !is_bias) cpu.fill_(norm_weight);
   else if (is_bias) cpu.zero_();
   else cpu.normal_(0.0, is_residual_proj ? proj_std : std_dev, gen);
   return cpu;
@@ -44,7 +45,7 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
   const double proj_std = c.family == Family::gpt2 ? std_dev / std::sqrt(2.0 * c.num_layers) : std_dev;
   c10::NoGradGuard no_grad;
   for (auto& [name, t] : params) {
-    const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, gen);
+    const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
     if (!keep) {
       t.copy_(cpu);
       continue;
@@ -57,11 +58,21 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
   for (auto& [name, t] : params) t.requires_grad_(true);
 }
 
+// The rotary settings of windowed layers with a base of their own (gemma3): that base, unscaled.
+ModelConfig local_rotary_config(const ModelConfig& c) {
+  ModelConfig local = c;
+  if (c.local_rope_theta) {
+    local.rope_theta = *c.local_rope_theta;
+    local.rope_scaling.reset();
+  }
+  return local;
+}
+
 }  // namespace
 
 CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed,
                    const KeepParameter& keep)
-    : config_(config), options_(options), release_(static_cast<bool>(keep)), rotary_(config) {
+    : config_(config), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
   const int64_t q_dim = c.num_heads * c.head_dim;
@@ -73,12 +84,17 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   embed_ = add_param("embed_tokens.weight", {c.vocab_size, d});
   if (c.learned_positions) pos_embed_ = add_param("embed_positions.weight", {c.max_positions, d});
   layers_.resize(static_cast<size_t>(c.num_layers));
+  const bool pre_norms = c.norm_placement != NormPlacement::post;
+  const bool out_norms = c.norm_placement != NormPlacement::pre;
   for (int64_t i = 0; i < c.num_layers; ++i) {
     Layer& l = layers_[static_cast<size_t>(i)];
     const std::string p = fmt::format("layers.{}.", i);
-    if (i >= c.window_from_layer) l.window = c.sliding_window;
-    l.norm1_w = add_param(p + "input_norm.weight", {d});
-    if (layer_norm) l.norm1_b = add_param(p + "input_norm.bias", {d});
+    if (c.windowed(i)) l.window = c.sliding_window;
+    l.local_rope = c.windowed(i) && c.local_rope_theta.has_value();
+    if (pre_norms) {
+      l.norm1_w = add_param(p + "input_norm.weight", {d});
+      if (layer_norm) l.norm1_b = add_param(p + "input_norm.bias", {d});
+    }
     if (c.fused_qkv) {
       l.qkv_w = add_param(p + "attn.qkv.weight", {q_dim + 2 * kv_dim, d});
       if (c.qkv_bias) l.qkv_b = add_param(p + "attn.qkv.bias", {q_dim + 2 * kv_dim});
@@ -90,18 +106,44 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
       l.v_w = add_param(p + "attn.v_proj.weight", {kv_dim, d});
       if (c.qkv_bias) l.v_b = add_param(p + "attn.v_proj.bias", {kv_dim});
     }
+    if (c.qk_norm != QkNorm::none) {
+      const bool per_head = c.qk_norm == QkNorm::per_head;
+      l.q_norm_w = add_param(p + "attn.q_norm.weight", {per_head ? c.head_dim : q_dim});
+      l.k_norm_w = add_param(p + "attn.k_norm.weight", {per_head ? c.head_dim : kv_dim});
+    }
     l.o_w = add_param(p + "attn.o_proj.weight", {d, q_dim});
     if (c.out_bias) l.o_b = add_param(p + "attn.o_proj.bias", {d});
-    l.norm2_w = add_param(p + "post_attention_norm.weight", {d});
-    if (layer_norm) l.norm2_b = add_param(p + "post_attention_norm.bias", {d});
-    if (c.gated_mlp) {
-      l.gate_w = add_param(p + "mlp.gate_proj.weight", {inter, d});
-      if (c.mlp_bias) l.gate_b = add_param(p + "mlp.gate_proj.bias", {inter});
+    if (out_norms) l.attn_out_norm_w = add_param(p + "attention_out_norm.weight", {d});
+    if (pre_norms) {
+      l.norm2_w = add_param(p + "post_attention_norm.weight", {d});
+      if (layer_norm) l.norm2_b = add_param(p + "post_attention_norm.bias", {d});
     }
-    l.up_w = add_param(p + "mlp.up_proj.weight", {inter, d});
-    if (c.mlp_bias) l.up_b = add_param(p + "mlp.up_proj.bias", {inter});
-    l.down_w = add_param(p + "mlp.down_proj.weight", {d, inter});
-    if (c.mlp_bias) l.down_b = add_param(p + "mlp.down_proj.bias", {d});
+    if (c.sparse(i)) {
+      const int64_t e_inter = c.moe->intermediate_size;
+      l.router_w = add_param(p + "mlp.router.weight", {c.moe->experts, d});
+      l.experts.resize(static_cast<size_t>(c.moe->experts));
+      for (int64_t e = 0; e < c.moe->experts; ++e) {
+        const std::string ep = fmt::format("{}mlp.experts.{}.", p, e);
+        Expert& x = l.experts[static_cast<size_t>(e)];
+        x.gate_w = add_param(ep + "gate_proj.weight", {e_inter, d});
+        x.up_w = add_param(ep + "up_proj.weight", {e_inter, d});
+        x.down_w = add_param(ep + "down_proj.weight", {d, e_inter});
+      }
+    } else {
+      if (c.fused_gate_up) {
+        l.gate_up_w = add_param(p + "mlp.gate_up_proj.weight", {2 * inter, d});
+      } else if (c.gated_mlp) {
+        l.gate_w = add_param(p + "mlp.gate_proj.weight", {inter, d});
+        if (c.mlp_bias) l.gate_b = add_param(p + "mlp.gate_proj.bias", {inter});
+      }
+      if (!c.fused_gate_up) {
+        l.up_w = add_param(p + "mlp.up_proj.weight", {inter, d});
+        if (c.mlp_bias) l.up_b = add_param(p + "mlp.up_proj.bias", {inter});
+      }
+      l.down_w = add_param(p + "mlp.down_proj.weight", {d, inter});
+      if (c.mlp_bias) l.down_b = add_param(p + "mlp.down_proj.bias", {d});
+    }
+    if (out_norms) l.mlp_out_norm_w = add_param(p + "mlp_out_norm.weight", {d});
   }
   final_norm_w_ = add_param("final_norm.weight", {d});
   if (layer_norm) final_norm_b_ = add_param("final_norm.bias", {d});
@@ -136,8 +178,10 @@ int64_t CausalLM::num_parameters() const {
 }
 
 at::Tensor CausalLM::norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const {
-  if (config_.norm == NormKind::layer_norm) return at::layer_norm(x, {config_.hidden_size}, w, b, config_.norm_eps);
-  return at::rms_norm(x, {config_.hidden_size}, w, config_.norm_eps);
+  const int64_t n = w.size(0);
+  if (config_.norm == NormKind::layer_norm) return at::layer_norm(x, {n}, w, b, config_.norm_eps);
+  // Gemma's norm scales by (1 + w): a new vector of the norm's width, then the same kernel.
+  return at::rms_norm(x, {n}, config_.norm_plus_one ? w + 1 : w, config_.norm_eps);
 }
 
 namespace {
@@ -158,78 +202,136 @@ at::Tensor maybe_dropout(const at::Tensor& x, double p, bool training) {
 
 }  // namespace
 
-at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const RotaryTables& rope,
                                const ForwardOptions& o) const {
   const ModelConfig& c = config_;
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t hd = c.head_dim;
+  const int64_t q_dim = c.num_heads * hd, kv_dim = c.num_kv_heads * hd;
   at::Tensor q, k, v;
   if (c.fused_qkv && c.family == Family::gpt_neox) {
     // gpt_neox interleaves per head: [.., H, 3 * hd].
     auto qkv = at::linear(x, l.qkv_w, l.qkv_b).view({b, t, c.num_heads, 3 * hd});
     auto parts = qkv.chunk(3, -1);
-    q = parts[0].transpose(1, 2);
-    k = parts[1].transpose(1, 2);
-    v = parts[2].transpose(1, 2);
+    q = parts[0];
+    k = parts[1];
+    v = parts[2];
   } else if (c.fused_qkv) {
-    auto parts = at::linear(x, l.qkv_w, l.qkv_b).split(c.hidden_size, -1);
-    q = parts[0].view({b, t, c.num_heads, hd}).transpose(1, 2);
-    k = parts[1].view({b, t, c.num_kv_heads, hd}).transpose(1, 2);
-    v = parts[2].view({b, t, c.num_kv_heads, hd}).transpose(1, 2);
+    auto parts = at::linear(x, l.qkv_w, l.qkv_b).split_with_sizes({q_dim, kv_dim, kv_dim}, -1);
+    q = parts[0];
+    k = parts[1];
+    v = parts[2];
   } else {
-    q = at::linear(x, l.q_w, l.q_b).view({b, t, c.num_heads, hd}).transpose(1, 2);
-    k = at::linear(x, l.k_w, l.k_b).view({b, t, c.num_kv_heads, hd}).transpose(1, 2);
-    v = at::linear(x, l.v_w, l.v_b).view({b, t, c.num_kv_heads, hd}).transpose(1, 2);
+    q = at::linear(x, l.q_w, l.q_b);
+    k = at::linear(x, l.k_w, l.k_b);
+    v = at::linear(x, l.v_w, l.v_b);
   }
+  if (c.qk_norm == QkNorm::whole) {  // olmo2: over the whole projection, before the heads split
+    q = norm(q, l.q_norm_w, {});
+    k = norm(k, l.k_norm_w, {});
+  }
+  q = q.view({b, t, c.num_heads, hd});
+  k = k.view({b, t, c.num_kv_heads, hd});
+  v = v.view({b, t, c.num_kv_heads, hd});
+  if (c.qk_norm == QkNorm::per_head) {  // qwen3, gemma3: each head over head_dim
+    q = norm(q, l.q_norm_w, {});
+    k = norm(k, l.k_norm_w, {});
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  v = v.transpose(1, 2);
   if (!c.learned_positions) {
-    q = rotary_.apply(q, cos, sin);
-    k = rotary_.apply(k, cos, sin);
+    const Rotary& r = l.local_rope ? local_rotary_ : rotary_;
+    const auto& [cos, sin] = l.local_rope ? rope.local : rope.global;
+    q = r.apply(q, cos, sin);
+    k = r.apply(k, cos, sin);
   }
-  auto y = causal_attention(q, k, v, o.attention, o.training ? c.attn_dropout : 0.0, l.window);
+  auto y = causal_attention(q, k, v, o.attention, o.training ? c.attn_dropout : 0.0, l.window, c.attn_scale);
   y = y.transpose(1, 2).reshape({b, t, c.num_heads * hd});
   return maybe_dropout(at::linear(y, l.o_w, l.o_b), c.resid_dropout, o.training);
 }
 
-at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o) const {
+at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const {
   const ModelConfig& c = config_;
-  at::Tensor h = c.gated_mlp ? activate(at::linear(x, l.gate_w, l.gate_b), c.activation) * at::linear(x, l.up_w, l.up_b)
-                             : activate(at::linear(x, l.up_w, l.up_b), c.activation);
+  if (!l.experts.empty()) {
+    return maybe_dropout(mixture_of_experts(x, l.router_w, l.experts, *c.moe, c.activation, stats), c.resid_dropout,
+                         o.training);
+  }
+  at::Tensor h;
+  if (c.fused_gate_up) {
+    auto gate_up = at::linear(x, l.gate_up_w).chunk(2, -1);
+    h = activate(gate_up[0], c.activation) * gate_up[1];
+  } else if (c.gated_mlp) {
+    h = activate(at::linear(x, l.gate_w, l.gate_b), c.activation) * at::linear(x, l.up_w, l.up_b);
+  } else {
+    h = activate(at::linear(x, l.up_w, l.up_b), c.activation);
+  }
   return maybe_dropout(at::linear(h, l.down_w, l.down_b), c.resid_dropout, o.training);
 }
 
-at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                           const ForwardOptions& o) const {
+at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o,
+                           RouterStats* stats) const {
   auto attend = [&](const at::Tensor& normed) {
-    if (!o.checkpoint.attention_only() || !c10::GradMode::is_enabled()) return attention(l, normed, cos, sin, o);
+    if (!o.checkpoint.attention_only() || !c10::GradMode::is_enabled()) return attention(l, normed, rope, o);
     const Layer* layer = &l;
-    return checkpointed([this, layer, cos, sin, o](const at::Tensor& h) { return attention(*layer, h, cos, sin, o); },
+    return checkpointed([this, layer, rope, o](const at::Tensor& h) { return attention(*layer, h, rope, o); },
                         normed);
   };
   if (config_.parallel_residual) {
     // Sequenced: the operands of + are evaluated in an unspecified order, and the order decides
     // which branch backward visits first (and so what memory is live when).
     at::Tensor with_attention = x + attend(norm(x, l.norm1_w, l.norm1_b));
-    return with_attention + mlp(l, norm(x, l.norm2_w, l.norm2_b), o);
+    return with_attention + mlp(l, norm(x, l.norm2_w, l.norm2_b), o, stats);
   }
-  auto h = x + attend(norm(x, l.norm1_w, l.norm1_b));
-  return h + mlp(l, norm(h, l.norm2_w, l.norm2_b), o);
+  switch (config_.norm_placement) {
+    case NormPlacement::pre: {
+      auto h = x + attend(norm(x, l.norm1_w, l.norm1_b));
+      return h + mlp(l, norm(h, l.norm2_w, l.norm2_b), o, stats);
+    }
+    case NormPlacement::post: {
+      auto h = x + norm(attend(x), l.attn_out_norm_w, {});
+      return h + norm(mlp(l, h, o, stats), l.mlp_out_norm_w, {});
+    }
+    case NormPlacement::sandwich: {
+      auto h = x + norm(attend(norm(x, l.norm1_w, l.norm1_b)), l.attn_out_norm_w, {});
+      return h + norm(mlp(l, norm(h, l.norm2_w, l.norm2_b), o, stats), l.mlp_out_norm_w, {});
+    }
+  }
+  return x;
 }
 
-at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& o) const {
+at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& o, at::Tensor* router_loss) const {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got ", input_ids.sizes());
   const int64_t t = input_ids.size(1);
   if (t > config_.max_positions) {
     fail("sequence length {} exceeds the model's max_position_embeddings {}", t, config_.max_positions);
   }
+  // The load-balancing loss: its statistics gather layer by layer while gradients are recorded.
+  const bool balance = router_loss && config_.moe && config_.moe->aux_loss && c10::GradMode::is_enabled();
+  bool whole_sparse_layer = false;
+  for (int64_t i = 0; i < config_.num_layers; ++i) whole_sparse_layer |= config_.sparse(i) && o.checkpoint.whole_layer(i);
+  if (balance && whole_sparse_layer) {
+    fail("output_router_logits (the router's load-balancing loss) with activation checkpointing is not supported; "
+         "accepted: --checkpointing none, or --set output_router_logits=false");
+  }
+  RouterStats stats;
+  RouterStats* collect = balance ? &stats : nullptr;
   ParameterGate* gate = o.gate;
   if (gate) gate->gather(0);
   at::Tensor x = at::embedding(embed_, input_ids);
+  if (config_.embed_scale != 1.0) {
+    // Gemma: sqrt(hidden_size) in the weights' dtype, as Hugging Face rounds it.
+    x = x * at::scalar_tensor(config_.embed_scale, at::TensorOptions().dtype(embed_.scalar_type())).item<double>();
+  }
   if (config_.learned_positions) {
     x = x + at::embedding(pos_embed_, at::arange(t, input_ids.options()));
   }
   x = maybe_dropout(x, config_.embd_dropout, o.training);
-  at::Tensor cos, sin;
-  if (!config_.learned_positions) std::tie(cos, sin) = rotary_.tables(t, x.device());
+  RotaryTables rope;
+  if (!config_.learned_positions) {
+    rope.global = rotary_.tables(t, x.device());
+    if (config_.local_rope_theta) rope.local = local_rotary_.tables(t, x.device());
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer* l = &layers_[i];
     const int unit = 1 + static_cast<int>(i);
@@ -237,9 +339,10 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
     if (o.checkpoint.whole_layer(static_cast<int64_t>(i)) && c10::GradMode::is_enabled()) {
       ForwardOptions inner = o;
       inner.checkpoint = {};  // nothing nested inside a checkpointed layer
-      x = checkpointed([this, l, cos, sin, inner](const at::Tensor& h) { return block(*l, h, cos, sin, inner); }, x);
+      x = checkpointed(
+          [this, l, rope, inner](const at::Tensor& h) { return block(*l, h, rope, inner, nullptr); }, x);
     } else {
-      x = block(*l, x, cos, sin, o);
+      x = block(*l, x, rope, o, collect);
     }
     if (gate) {
       gate->forward_done(unit);
@@ -249,6 +352,7 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
   x = norm(x, final_norm_w_, final_norm_b_);
   at::Tensor logits = at::linear(x, head_);
   if (gate) gate->forward_done(0);
+  if (collect && stats.rows > 0) *router_loss = load_balancing_loss(stats, *config_.moe);
   return logits;
 }
 

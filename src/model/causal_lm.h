@@ -1,8 +1,9 @@
 // CausalLM — a decoder-only Transformer language model built from a ModelConfig.
 //
-// One class covers the five families; the config's switches (norm kind, learned vs rotary positions,
-// fused qkv, gated MLP, parallel residual, biases, tied head) select the layout, so parameter counts
-// equal Hugging Face's for the same config.json. Parameters are plain tensors with Hugging Face-like
+// One class, the decoder skeleton, covers every family; the config's switches (norm kind and
+// placement, learned vs rotary positions and their bases, fused qkv or gate/up, q/k norms, gated MLP
+// or experts (model/experts.h), parallel residual, biases, embedding scale, tied head) select the
+// layout, so parameter counts equal Hugging Face's for the same config.json. Parameters are plain tensors with Hugging Face-like
 // names, created with the given options: on the meta device nothing is allocated (a 70B model's
 // parameters can be counted for free). Not thread-safe; one model per training run.
 #pragma once
@@ -17,6 +18,7 @@
 #include "config/model_config.h"
 #include "model/attention.h"
 #include "model/checkpointing.h"
+#include "model/experts.h"
 #include "model/parameter_gate.h"
 #include "model/rotary.h"
 #include "util/named_tensor.h"
@@ -42,8 +44,11 @@ class CausalLM {
   CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed, const KeepParameter& keep = {});
 
   // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
-  // dtype.
-  at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options) const;
+  // dtype. `router_loss`: where a mixture of experts whose config asks for it (output_router_logits)
+  // puts its load-balancing loss, times router_aux_loss_coef, while gradients are recorded (left
+  // undefined otherwise); the caller adds it to the loss.
+  at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options,
+                     at::Tensor* router_loss = nullptr) const;
 
   const ModelConfig& config() const { return config_; }
   const std::vector<NamedTensor>& parameters() const { return params_; }
@@ -59,22 +64,31 @@ class CausalLM {
     at::Tensor qkv_w, qkv_b;  // fused families
     at::Tensor q_w, q_b, k_w, k_b, v_w, v_b;
     at::Tensor o_w, o_b;
+    at::Tensor q_norm_w, k_norm_w;              // q/k norms (qwen3, gemma3, olmo2)
+    at::Tensor attn_out_norm_w, mlp_out_norm_w;  // norms after attention and the MLP (olmo2, gemma3)
     at::Tensor up_w, up_b, gate_w, gate_b, down_w, down_b;
+    at::Tensor gate_up_w;  // phi3
+    at::Tensor router_w;   // a mixture of experts
+    std::vector<Expert> experts;
     std::optional<int64_t> window;  // sliding attention window of this layer
+    bool local_rope = false;        // rotates by the windowed layers' own base (gemma3)
+  };
+  struct RotaryTables {
+    std::pair<at::Tensor, at::Tensor> global, local;  // cos, sin
   };
 
   at::Tensor add_param(const std::string& name, std::vector<int64_t> shape);
   at::Tensor norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
-  at::Tensor attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       const ForwardOptions& o) const;
-  at::Tensor mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o) const;
-  at::Tensor block(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                   const ForwardOptions& o) const;
+  at::Tensor attention(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o) const;
+  at::Tensor mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const;
+  at::Tensor block(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o,
+                   RouterStats* stats) const;
 
   ModelConfig config_;
   at::TensorOptions options_;
   bool release_ = false;  // parameters hold memory only while initialised (a KeepParameter was given)
   Rotary rotary_;
+  Rotary local_rotary_;  // windowed layers' (gemma3); rotary_'s settings otherwise
   std::vector<NamedTensor> params_;
   at::Tensor embed_, pos_embed_, final_norm_w_, final_norm_b_, head_;
   std::vector<Layer> layers_;

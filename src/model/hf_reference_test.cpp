@@ -49,7 +49,8 @@ TEST_P(MatchesHuggingFace, SameWeightsSameLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, MatchesHuggingFace,
-                         ::testing::Values("gpt2", "llama", "mistral", "qwen2", "gpt_neox"),
+                         ::testing::Values("gpt2", "llama", "mistral", "qwen2", "gpt_neox", "qwen3", "qwen3_moe",
+                                           "mixtral", "gemma3", "phi3", "olmo2"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
