@@ -100,6 +100,7 @@ nlohmann::json summary_json(const TrainSummary& s, const RunConfig& cfg) {
                         {"seconds", s.seconds},
                         {"device", s.device}};
   if (s.peak_reserved_bytes) out["peak_reserved_bytes"] = *s.peak_reserved_bytes;
+  if (s.routing_skew) out["routing_skew"] = *s.routing_skew;
   if (s.ranks > 1) {
     out["ranks"] = s.ranks;
     out["shard"] = shard_level_name(cfg.shard);
@@ -120,6 +121,12 @@ void print_summary_text(const TrainSummary& s) {
   fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}{}{}\n", s.steps,
              s.final_loss, s.eval_loss, s.tokens_per_s, format_bytes(s.peak_bytes),
              s.peak_reserved_bytes ? fmt::format(" ({} reserved)", format_bytes(*s.peak_reserved_bytes)) : "", ranks);
+  if (s.routing_skew) {
+    fmt::print(stderr,
+               "routing: the busiest expert took {:.2f}x a balanced share; estimate with this skew: "
+               "--moe-routing {:.2f}\n",
+               *s.routing_skew, *s.routing_skew);
+  }
 }
 
 // `headroom train` with its flags read: trains, reports, returns the exit code.

@@ -36,6 +36,16 @@ nlohmann::json Estimate::to_json() const {
   nlohmann::json phases = nlohmann::json::object();
   for (Phase p : kStepPhases) phases[std::string(phase_name(p))] = phase_peaks[static_cast<size_t>(p)];
   j["phases"] = phases;
+  if (experts) {
+    j["experts"] = {{"experts", experts->experts},
+                    {"top_k", experts->top_k},
+                    {"sparse_layers", experts->sparse_layers},
+                    {"routing", experts->routing},
+                    {"weights_bytes", experts->weights},
+                    {"gradients_bytes", experts->gradients},
+                    {"optimizer_bytes", experts->optimizer},
+                    {"replicated_on_ranks", experts->world}};
+  }
   if (cuda) {
     // What nvidia-smi shows beyond PyTorch's reserved memory: not predicted, named with its source.
     j["outside_reserved"] = nlohmann::json::array(
@@ -68,6 +78,21 @@ std::string Estimate::table() const {
                        i.formula);
   }
   out += fmt::format("{:<26} {:>11} {:>6}  in {}\n", "peak", format_bytes(peak_bytes), "100%", phase_name(peak_phase));
+  if (experts) {
+    const std::string assumed =
+        experts->routing == "balanced" ? "balanced: each expert takes tokens·top_k/experts"
+        : experts->routing == "worst"  ? "worst: top_k experts take every token"
+                                       : fmt::format("skew {}: the busiest expert takes {}x a balanced share",
+                                                     experts->routing, experts->routing);
+    out += fmt::format("experts: {} of {} per token in {} layers; routing assumed {} (--moe-routing balanced, worst "
+                       "or a skew measured by train); expert weights {}, gradients {}, optimizer state {} at the peak",
+                       experts->top_k, experts->experts, experts->sparse_layers, assumed, format_bytes(experts->weights),
+                       format_bytes(experts->gradients), format_bytes(experts->optimizer));
+    if (experts->world > 1) {
+      out += fmt::format("; replicated on each of {} ranks (no expert parallelism)", experts->world);
+    }
+    out += "\n";
+  }
   if (cuda) {
     out += fmt::format("{:<26} {:>11} {:>6}  {}\n", "outside reserved", "-", "",
                        "the CUDA context (driver and kernels; device-specific, not predicted): nvidia-smi shows it "

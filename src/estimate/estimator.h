@@ -67,6 +67,16 @@ struct Estimate {
   std::optional<ReservedReplay> reserved;
   bool cuda = false;  // predicted for a card (the output names what lies outside reserved memory)
 
+  // A mixture of experts: its shape, the routing assumed, and the experts' model states at the
+  // peak, apart from the dense ones (they are in the breakdown's weights, gradients, optimizer).
+  struct Experts {
+    int64_t experts = 0, top_k = 0, sparse_layers = 0;
+    std::string routing;  // MoeRouting::name()
+    int64_t weights = 0, gradients = 0, optimizer = 0;
+    int64_t world = 1;  // data parallel: every rank holds every expert (no expert parallelism)
+  };
+  std::optional<Experts> experts;
+
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
   // What the trainer's monitor counts as activations: everything but weights, gradients, optimizer
   // state and other (saved activations, weight copies, logits, loss, temporaries, allocator rounding).

@@ -186,6 +186,70 @@ TEST_P(EstimatorAccuracy, PredictsWhatTheTrainerMeasures) {
   EXPECT_LE(worst_reserved, 0.03) << worst_reserved_config;
 }
 
+// A mixture of experts routes as its router decides: trained on the bundled corpus (so that the
+// router has learnt something), qwen3-30b-a3b's layer at its real width and vocabulary, with 16 of
+// its experts, 2 per token, is measured in its third step and estimated under each assumption: the
+// balanced one within the accuracy test's 1%, the skew the run measured as close, and the worst
+// case the capacity allows (two experts take every token) never below what was measured.
+TEST(EstimatorExperts, RealRoutingIsPredictedBalancedAndBoundedByTheWorstCase) {
+  RunConfig cfg;
+  cfg.model = "qwen3-30b-a3b";
+  cfg.overrides = {"num_hidden_layers=1", "num_experts=16", "num_experts_per_tok=2"};
+  cfg.batch = 4;
+  cfg.seq = 128;
+  cfg.precision = Precision::bf16;
+  cfg.optimizer = OptimizerKind::sgd;
+  cfg.steps = 3;
+  cfg.eval_rows = 0;
+  cfg.quiet = true;
+  cfg.device = "cpu";
+  const TrainResult run = train(cfg);
+  ASSERT_EQ(run.steps.size(), 3u);
+  const StepRecord& step = run.steps[2];
+  ASSERT_TRUE(step.routing_skew.has_value());
+  EXPECT_GT(*step.routing_skew, 1.0);  // real routing is not exactly balanced
+  const int64_t measured = step.peak_bytes;
+  const ModelConfig model = load_model_config(cfg.model, cfg.overrides);
+  auto estimated = [&](const std::string& routing) {
+    TrainSpec spec = spec_for(cfg);
+    spec.routing = parse_moe_routing(routing);
+    const Estimate e = estimate(model, spec);
+    EXPECT_TRUE(e.experts.has_value());
+    EXPECT_EQ(e.experts->routing, spec.routing.name());
+    return e.peak_bytes;
+  };
+  const int64_t balanced = estimated("balanced"), worst = estimated("worst");
+  const int64_t skewed = estimated(fmt::format("{}", *step.routing_skew));
+  auto error = [&](int64_t e) { return static_cast<double>(e - measured) / static_cast<double>(measured); };
+  std::printf("  measured %lld (routing skew %.2f); balanced %+.3f%%, measured skew %+.3f%%, worst %+.3f%%\n",
+              static_cast<long long>(measured), *step.routing_skew, 100 * error(balanced), 100 * error(skewed),
+              100 * error(worst));
+  EXPECT_LE(std::abs(error(balanced)), 0.01);
+  EXPECT_LE(std::abs(error(skewed)), 0.01);
+  EXPECT_GE(worst, balanced);
+  EXPECT_GE(error(worst), -0.001);
+}
+
+TEST(EstimatorExperts, NamesTheExpertsApartAndSaysTheyAreReplicatedUnderDataParallel) {
+  TrainSpec spec;
+  spec.batch = 1;
+  spec.seq = 16;
+  spec.precision = Precision::bf16;
+  spec.world = 4;
+  const ModelConfig c = load_model_config("mixtral-8x7b", {"num_hidden_layers=2"});
+  const Estimate e = estimate(c, spec);
+  ASSERT_TRUE(e.experts.has_value());
+  // By hand: 2 layers × 8 experts × 3 matrices of 4096 × 14336, 2 bytes each.
+  const int64_t expert_params = int64_t{2} * 8 * 3 * 4096 * 14336;
+  EXPECT_EQ(e.experts->weights, expert_params * 2);
+  EXPECT_EQ(e.experts->gradients, expert_params * 2);  // the peak is in backward's end or the update
+  EXPECT_EQ(e.category(sim::Category::weights), count_parameters(c) * 2);
+  EXPECT_EQ(e.experts->sparse_layers, 2);
+  EXPECT_EQ(e.experts->world, 4);
+  EXPECT_NE(e.table().find("replicated on each of 4 ranks"), std::string::npos) << e.table();
+  EXPECT_EQ(e.to_json()["experts"]["routing"], "balanced");
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, EstimatorAccuracy, ::testing::ValuesIn(testing::grid_families()),
                          [](const ::testing::TestParamInfo<testing::GridFamily>& info) { return info.param.label; });
 

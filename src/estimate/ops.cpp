@@ -440,9 +440,10 @@ Tensor Ops::mixture_of_experts(const Tensor& x, const Param& router, const std::
   outputs.clear();
   Tensor weighted = mul(joined, weight, scatter_lbl);
   joined = weight = Tensor{};
-  // zeros [tokens, hidden], index_add_ in place: backward selects the gradient's rows.
+  // zeros [tokens, hidden], index_add_ in place: backward selects the gradient's rows (its formula
+  // keeps the source, for its shape).
   Tensor out = make(rows * d, weighted.elem, scatter_lbl, weighted.requires_grad());
-  g_->record({&out}, {token}, [this, weighted = meta(weighted)](const std::vector<Ref>&) {
+  g_->record({&out}, {token, weighted.buf}, [this, weighted = meta(weighted)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(weighted)};
   });
   return view(out);

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -23,6 +24,7 @@
 #include "device/autocast_adapter.h"
 #include "memory/budget_allocator.h"
 #include "model/attention.h"
+#include "model/experts.h"
 #include "model/rotary.h"
 #include "train/precision.h"
 #include "train/step_ops.h"
@@ -241,6 +243,21 @@ std::vector<Case> cases() {
                    auto w = r.param(H, 0, e);
                    return r.measure([&] { return r.rms_norm(x, w); });
                  }});
+    // Gemma's: the weight used is 1 + w; and per head (a q/k norm over head_dim).
+    c.push_back({"rms_norm", std::string(c10::toString(dtype)) + ", 1 + w, per head of " + std::to_string(HD),
+                 [dtype] {
+                   return measure_real(
+                       [dtype] {
+                         return std::vector<at::Tensor>{leaf({B, T, HEADS, HD}, dtype), leaf({HD}, dtype)};
+                       },
+                       [](const auto& in) { return at::rms_norm(in[0], {HD}, in[1] + 1, 1e-6); });
+                 },
+                 [e] {
+                   Replay r(false);
+                   auto x = r.leaf(B * T * HEADS * HD, e);
+                   auto w = r.param(HD, 0, e);
+                   return r.measure([&] { return r.rms_norm(x, w, true); });
+                 }});
     c.push_back({"layer_norm", std::string(c10::toString(dtype)),
                  [dtype] {
                    return measure_real(
@@ -337,6 +354,67 @@ std::vector<Case> cases() {
                  auto logits = r.leaf(B * T * V, 4);
                  return r.measure([&] { return r.token_loss(logits, B * T, V, r.input_label(), r.label()); });
                }});
+  // A mixture of experts (model/experts.cpp) on real routing: the model is told the loads the
+  // router really produced for these inputs.
+  for (bool mixed : {false, true}) {
+    constexpr int64_t E = 4, K = 2, FE = 96;
+    auto inputs = [] {
+      at::manual_seed(11);
+      std::vector<at::Tensor> in{leaf({B, T, H}), leaf({E, H})};
+      for (int64_t e = 0; e < E; ++e) {
+        in.push_back(leaf({FE, H}));
+        in.push_back(leaf({FE, H}));
+        in.push_back(leaf({H, FE}));
+      }
+      return in;
+    };
+    auto experts_of = [](const std::vector<at::Tensor>& in) {
+      std::vector<Expert> ex;
+      for (int64_t e = 0; e < E; ++e) ex.push_back({in[2 + 3 * e], in[3 + 3 * e], in[4 + 3 * e]});
+      return ex;
+    };
+    MoeConfig moe;
+    moe.experts = E;
+    moe.top_k = K;
+    moe.intermediate_size = FE;
+    moe.normalise_top_k = true;
+    c.push_back({"mixture_of_experts", fmt::format("{} experts, top {}, renormalised{}", E, K,
+                                                   mixed ? ", under bf16 autocast" : ""),
+                 [=] {
+                   return measure_real(inputs, [=](const auto& in) {
+                     const AutocastScope autocast(c10::DeviceType::CPU,
+                                                  forward_autocast(mixed ? Precision::bf16_mixed : Precision::fp32));
+                     return mixture_of_experts(in[0], in[1], experts_of(in), moe, Activation::silu, nullptr);
+                   });
+                 },
+                 [=] {
+                   std::vector<int64_t> loads;
+                   {
+                     const c10::NoGradGuard no_grad;
+                     const auto in = inputs();
+                     const auto probs = at::softmax(at::linear(in[0].reshape({-1, H}), in[1]), -1);
+                     const auto counts = at::bincount(std::get<1>(at::topk(probs, K, -1)).reshape({-1}), {}, E);
+                     for (int64_t e = 0; e < E; ++e) loads.push_back(counts[e].item<int64_t>());
+                   }
+                   Replay r(mixed);
+                   auto x = r.leaf(B * T * H, 4);
+                   auto router = r.param(E, H, 4);
+                   std::vector<sim::Param> weights;
+                   weights.reserve(3 * E);
+                   for (int64_t e = 0; e < E; ++e) {
+                     weights.push_back(r.param(FE, H, 4));
+                     weights.push_back(r.param(FE, H, 4));
+                     weights.push_back(r.param(H, FE, 4));
+                   }
+                   std::vector<sim::Ops::ExpertWeights> experts;
+                   for (int64_t e = 0; e < E; ++e) {
+                     experts.push_back({&weights[3 * e], &weights[3 * e + 1], &weights[3 * e + 2]});
+                   }
+                   return r.measure([&] {
+                     return r.mixture_of_experts(x, router, experts, K, true, loads, false, false, r.label());
+                   });
+                 }});
+  }
   // Attention, as CausalLM::attention calls it: projections viewed as heads, the output merged back.
   struct Attn {
     std::string description;

@@ -145,6 +145,20 @@ Estimate StepReplay::result(const CategoryBytes& at_update, size_t step_begin) c
     e.breakdown[static_cast<size_t>(labels[i].category)] += bytes;
     if (bytes > 0) e.items.push_back({labels[i].name, labels[i].category, bytes, labels[i].formula});
   }
+  if (c_.moe) {
+    Estimate::Experts x;
+    x.experts = c_.moe->experts;
+    x.top_k = c_.moe->top_k;
+    for (int64_t i = 0; i < c_.num_layers; ++i) x.sparse_layers += c_.sparse(i) ? 1 : 0;
+    x.routing = s_.routing.name();
+    x.world = s_.world;
+    for (const EstimateItem& item : e.items) {
+      if (item.name == "expert weights") x.weights = item.bytes;
+      if (item.name == "expert gradients") x.gradients = item.bytes;
+      if (item.name == "expert optimizer state") x.optimizer = item.bytes;
+    }
+    e.experts = x;
+  }
   std::stable_sort(e.items.begin(), e.items.end(),
                    [](const EstimateItem& a, const EstimateItem& b) { return a.bytes > b.bytes; });
   // Two steps, as the cache reaches its steady state in the second (the first's free blocks are

@@ -300,14 +300,14 @@ at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTabl
   return x;
 }
 
-at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& o, at::Tensor* router_loss) const {
+at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got ", input_ids.sizes());
   const int64_t t = input_ids.size(1);
   if (t > config_.max_positions) {
     fail("sequence length {} exceeds the model's max_position_embeddings {}", t, config_.max_positions);
   }
   // The load-balancing loss: its statistics gather layer by layer while gradients are recorded.
-  const bool balance = router_loss && config_.moe && config_.moe->aux_loss && c10::GradMode::is_enabled();
+  const bool balance = router && config_.moe && config_.moe->aux_loss && c10::GradMode::is_enabled();
   bool whole_sparse_layer = false;
   for (int64_t i = 0; i < config_.num_layers; ++i) whole_sparse_layer |= config_.sparse(i) && o.checkpoint.whole_layer(i);
   if (balance && whole_sparse_layer) {
@@ -315,7 +315,8 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
          "accepted: --checkpointing none, or --set output_router_logits=false");
   }
   RouterStats stats;
-  RouterStats* collect = balance ? &stats : nullptr;
+  stats.balance = balance;
+  RouterStats* collect = router && config_.moe ? &stats : nullptr;
   ParameterGate* gate = o.gate;
   if (gate) gate->gather(0);
   at::Tensor x = at::embedding(embed_, input_ids);
@@ -352,7 +353,10 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
   x = norm(x, final_norm_w_, final_norm_b_);
   at::Tensor logits = at::linear(x, head_);
   if (gate) gate->forward_done(0);
-  if (collect && stats.rows > 0) *router_loss = load_balancing_loss(stats, *config_.moe);
+  if (router) {
+    router->skew = stats.skew;
+    if (balance && stats.rows > 0) router->loss = load_balancing_loss(stats, *config_.moe);
+  }
   return logits;
 }
 

@@ -44,11 +44,10 @@ class CausalLM {
   CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed, const KeepParameter& keep = {});
 
   // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
-  // dtype. `router_loss`: where a mixture of experts whose config asks for it (output_router_logits)
-  // puts its load-balancing loss, times router_aux_loss_coef, while gradients are recorded (left
-  // undefined otherwise); the caller adds it to the loss.
-  at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options,
-                     at::Tensor* router_loss = nullptr) const;
+  // dtype. `router`: a mixture of experts reports there the skew of its routing and, when its
+  // config asks for it (output_router_logits) and gradients are recorded, its load-balancing loss
+  // times router_aux_loss_coef (left undefined otherwise), which the caller adds to the loss.
+  at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options, RouterOutput* router = nullptr) const;
 
   const ModelConfig& config() const { return config_; }
   const std::vector<NamedTensor>& parameters() const { return params_; }

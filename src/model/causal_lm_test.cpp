@@ -53,7 +53,14 @@ TEST_P(EveryFamily, IsCausal) {
   for (auto path : {AttentionPath::flash, AttentionPath::math}) {
     auto a = model.forward(ids, {path, false});
     auto b = model.forward(changed, {path, false});
-    EXPECT_TRUE(at::equal(a.narrow(1, 0, 11), b.narrow(1, 0, 11)));
+    if (!c.moe) {
+      EXPECT_TRUE(at::equal(a.narrow(1, 0, 11), b.narrow(1, 0, 11)));
+    } else {
+      // Experts run on the rows routed to them: the changed token changes which rows an expert's
+      // matmul holds, and so the order of its sums (not what reaches the earlier positions).
+      EXPECT_TRUE(at::allclose(a.narrow(1, 0, 11), b.narrow(1, 0, 11), 1e-5, 1e-6))
+          << (a.narrow(1, 0, 11) - b.narrow(1, 0, 11)).abs().max().item<float>();
+    }
     EXPECT_FALSE(at::allclose(a.narrow(1, 11, 1), b.narrow(1, 11, 1)));
   }
 }

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+
 namespace headroom {
 namespace {
 
@@ -29,7 +31,7 @@ at::Tensor mixture_of_experts(const at::Tensor& x, const at::Tensor& router_w, c
   if (moe.normalise_top_k) top_w = top_w / top_w.sum(-1, /*keepdim=*/true);
   top_w = top_w.to(logits.scalar_type());
   const at::Tensor chosen = top_i.reshape({-1});  // [rows · k], row-major: token r's picks at r·k ...
-  if (stats) {
+  if (stats && stats->balance) {
     at::Tensor assigned;
     {
       const c10::NoGradGuard no_grad;
@@ -50,6 +52,10 @@ at::Tensor mixture_of_experts(const at::Tensor& x, const at::Tensor& router_w, c
   const at::Tensor gathered = flat.index_select(0, token);              // [rows · k, d]
   const at::Tensor weight = top_w.reshape({-1}).index_select(0, order);  // [rows · k]
   std::vector<int64_t> split(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + count);
+  if (stats && rows > 0) {
+    const double balanced = static_cast<double>(rows * k) / static_cast<double>(count);
+    stats->skew = std::max(stats->skew, static_cast<double>(*std::max_element(split.begin(), split.end())) / balanced);
+  }
   const std::vector<at::Tensor> pieces = gathered.split_with_sizes(split, 0);
   std::vector<at::Tensor> outputs;
   outputs.reserve(experts.size());
@@ -58,7 +64,10 @@ at::Tensor mixture_of_experts(const at::Tensor& x, const at::Tensor& router_w, c
     const at::Tensor h = activate(at::linear(pieces[e], ex.gate_w), activation) * at::linear(pieces[e], ex.up_w);
     outputs.push_back(at::linear(h, ex.down_w));
   }
-  const at::Tensor weighted = at::cat(outputs, 0) * weight.unsqueeze(-1);
+  at::Tensor joined = at::cat(outputs, 0);
+  outputs.clear();  // the experts' outputs go once joined (the multiplication keeps the join)
+  const at::Tensor weighted = joined * weight.unsqueeze(-1);
+  joined.reset();
   at::Tensor out = at::zeros({rows, d}, weighted.options());
   out.index_add_(0, token, weighted);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

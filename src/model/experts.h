@@ -25,13 +25,24 @@ struct Expert {
 // The load-balancing loss's statistics over the layers of one forward (Switch Transformer's, as
 // transformers computes it): assignments per expert, routing probability summed per expert, rows.
 struct RouterStats {
+  bool balance = false;    // gather the load-balancing loss's statistics (below)
   at::Tensor assignments;  // float32 [experts], no gradient
   at::Tensor probability;  // float32 [experts], differentiable
   int64_t rows = 0;
+  // The routing's skew: the most rows any expert of any layer received, relative to the balanced
+  // share (rows · top_k / experts). Always gathered.
+  double skew = 0;
+};
+
+// What a forward reports of its experts: the load-balancing loss (times its coefficient) when the
+// config asks for it, and the skew of the routing.
+struct RouterOutput {
+  at::Tensor loss;
+  double skew = 0;
 };
 
 // x: [..., d]. Returns the experts' combined output in the experts' matmul dtype, x's shape.
-// `stats` (may be null) gathers the routing statistics.
+// `stats` (may be null) gathers the routing's skew and, when asked, the load-balancing statistics.
 at::Tensor mixture_of_experts(const at::Tensor& x, const at::Tensor& router_w, const std::vector<Expert>& experts,
                               const MoeConfig& moe, Activation activation, RouterStats* stats);
 

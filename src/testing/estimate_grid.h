@@ -23,7 +23,12 @@ struct GridFamily {
 
 // gpt2 (tied, learned positions, dropout), pythia-160m (gpt_neox: untied, parallel residual,
 // partial rotary), smollm-135m (llama: tied, grouped-query attention), qwen2.5-0.5b (tied, qkv
-// biases) and mistral-7b (untied, sliding window, here 16 so that the windowed mask is exercised).
+// biases) and mistral-7b (untied, sliding window, here 16 so that the windowed mask is exercised);
+// qwen3-0.6b (tied, q/k norms per head), qwen3-30b-a3b with 8 of its experts and a dense layer, and
+// with all 128 experts in one layer, mixtral-8x7b with 2 of its experts (a window of 16), gemma-3-1b
+// (tied, 262,144 tokens, sandwich norms, a sliding and a global layer with their two rotary bases),
+// phi-3-mini (fused qkv and gate_up, a window of 16) and olmo-2-7b (post-norms, whole-projection
+// q/k norms).
 // gtest prints parameters byte by byte unless told how.
 inline void PrintTo(const GridFamily& f, std::ostream* os) { *os << f.label; }
 
@@ -32,7 +37,14 @@ inline std::vector<GridFamily> grid_families() {
           {"gpt_neox", "pythia-160m", {"num_hidden_layers=2"}},
           {"llama", "smollm-135m", {"num_hidden_layers=2"}},
           {"qwen2", "qwen2.5-0.5b", {"num_hidden_layers=1"}},
-          {"mistral", "mistral-7b", {"num_hidden_layers=1", "sliding_window=16"}}};
+          {"mistral", "mistral-7b", {"num_hidden_layers=1", "sliding_window=16"}},
+          {"qwen3", "qwen3-0.6b", {"num_hidden_layers=2"}},
+          {"qwen3_moe", "qwen3-30b-a3b", {"num_hidden_layers=2", "num_experts=8", "mlp_only_layers=[1]"}},
+          {"qwen3_moe_128_experts", "qwen3-30b-a3b", {"num_hidden_layers=1"}},
+          {"mixtral", "mixtral-8x7b", {"num_hidden_layers=1", "num_local_experts=2", "sliding_window=16"}},
+          {"gemma3", "gemma-3-1b", {"num_hidden_layers=2", "sliding_window=16", "sliding_window_pattern=2"}},
+          {"phi3", "phi-3-mini", {"num_hidden_layers=1", "sliding_window=16"}},
+          {"olmo2", "olmo-2-7b", {"num_hidden_layers=1"}}};
 }
 
 // The configurations of one family. The three small models get eight, the larger two four and three,
@@ -60,6 +72,27 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     variants = {{2, 32, 1, "fp32", "math", "sgd", "none"},
                 {1, 16, 1, "bf16-mixed", "flash", "adafactor", "selective"},
                 {2, 32, 1, "bf16", "flash", "adafactor", "none"}};
+  }
+  if (family.label == "qwen3") {
+    variants = {{2, 32, 1, "fp32", "flash", "adamw", "none"},
+                {2, 32, 1, "bf16-mixed", "math", "sgd", "selective"},
+                {1, 64, 1, "bf16", "flash", "adafactor", "full"}};
+  } else if (family.label == "qwen3_moe") {
+    variants = {{4, 32, 1, "fp32", "flash", "adamw", "none"},
+                {2, 32, 1, "bf16-mixed", "flash", "adam", "none"},
+                {2, 32, 2, "bf16", "math", "sgd", "full"}};
+  } else if (family.label == "qwen3_moe_128_experts") {
+    variants = {{2, 32, 1, "bf16", "flash", "sgd", "none"}, {1, 32, 1, "bf16-mixed", "flash", "sgd", "none"}};
+  } else if (family.label == "mixtral") {
+    variants = {{2, 32, 1, "bf16", "flash", "sgd", "none"}, {1, 32, 1, "bf16-mixed", "math", "adafactor", "selective"}};
+  } else if (family.label == "gemma3") {
+    variants = {{2, 32, 1, "fp32", "flash", "adamw", "none"},
+                {2, 32, 1, "bf16-mixed", "math", "sgd", "none"},
+                {1, 32, 1, "bf16", "flash", "adafactor", "selective"}};
+  } else if (family.label == "phi3") {
+    variants = {{2, 32, 1, "fp32", "flash", "sgd", "none"}, {2, 32, 1, "bf16-mixed", "flash", "adafactor", "full"}};
+  } else if (family.label == "olmo2") {
+    variants = {{2, 32, 1, "bf16", "flash", "adafactor", "none"}, {1, 32, 1, "bf16-mixed", "math", "sgd", "none"}};
   }
   std::vector<RunConfig> grid;
   for (const auto& v : variants) {
@@ -91,6 +124,13 @@ inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   if (family.preset == "smollm-135m") keep = {2, 6};     // bf16-mixed adam selective; adamw full
   if (family.preset == "qwen2.5-0.5b") keep = {1, 2};    // bf16-mixed math sgd selective; fp16-mixed adafactor full
   if (family.preset == "mistral-7b") keep = {0};         // math sgd at seq 32: the window of 16 masks
+  if (family.label == "qwen3") keep = {0, 1};            // fp32 adamw; bf16-mixed math selective
+  if (family.label == "qwen3_moe") keep = {0, 2};        // fp32 adamw; bf16 math full, accumulation 2
+  if (family.label == "qwen3_moe_128_experts") keep = {0};  // all 128 experts, bf16
+  if (family.label == "mixtral") keep = {0};             // bf16 sgd, windowed
+  if (family.label == "gemma3") keep = {0, 1};           // fp32 adamw; bf16-mixed math
+  if (family.label == "phi3") keep = {1};                // bf16-mixed full checkpointing, windowed
+  if (family.label == "olmo2") keep = {0};               // bf16 adafactor
   const std::vector<RunConfig> grid = accuracy_grid(family);
   std::vector<RunConfig> out;
   for (size_t i : keep) out.push_back(grid.at(i));

@@ -1,5 +1,6 @@
 // Shrunk variants of every supported family, for tests: same layout as the published configs
-// (biases, GQA, partial rotary, tied head, sliding window), a few hundred thousand parameters.
+// (biases, GQA, partial rotary, tied head, sliding window, q/k norms, post and sandwich norms, fused
+// gate/up, experts with a dense layer among them), a few hundred thousand parameters.
 #pragma once
 
 #include <ostream>
@@ -40,6 +41,14 @@ inline std::vector<ShrunkModel> shrunk_models() {
       {"gpt_neox",
        "pythia-160m",
        {"hidden_size=64", "intermediate_size=256", "num_attention_heads=4", "num_hidden_layers=2", "vocab_size=256"}},
+      {"qwen3", "qwen3-0.6b", llama_like},
+      {"qwen3_moe", "qwen3-30b-a3b",
+       with(llama_like, {"num_hidden_layers=3", "moe_intermediate_size=32", "num_experts=4", "num_experts_per_tok=2",
+                         "mlp_only_layers=[1]"})},
+      {"mixtral", "mixtral-8x7b", with(llama_like, {"num_local_experts=4", "sliding_window=8"})},
+      {"gemma3", "gemma-3-1b", with(llama_like, {"sliding_window=8", "sliding_window_pattern=2"})},
+      {"phi3", "phi-3-mini", with(llama_like, {"sliding_window=8"})},
+      {"olmo2", "olmo-2-7b", llama_like},
   };
 }
 

@@ -90,6 +90,45 @@ TEST(OomGuard, EveryAllocationOfAStepCanFailAndTheRunStillMatches) {
               static_cast<long>(failed_in_step), worst);
 }
 
+// A mixture of experts (shrunk qwen3_moe: experts in layers 0 and 2, a dense layer between): the
+// guard recovers from an OOM at every tenth allocation of step 2 by splitting the micro-batch, and
+// the run ends with the weights of the run that had none — the routing is per token, so the
+// halves route as the whole did.
+TEST(OomGuard, AMixtureOfExpertsSurvivesAndEndsWithTheSameWeights) {
+  TempDir dir;
+  auto moe = [] {
+    RunConfig cfg = guarded_run();
+    cfg.model = "qwen3-30b-a3b";
+    cfg.overrides = {"hidden_size=64", "intermediate_size=128", "num_attention_heads=4", "num_key_value_heads=2",
+                     "num_hidden_layers=3", "vocab_size=256", "head_dim=16", "moe_intermediate_size=32",
+                     "num_experts=4", "num_experts_per_tok=2", "mlp_only_layers=[1]"};
+    return cfg;
+  };
+  RunConfig clean = moe();
+  clean.checkpoint = dir.file("clean");
+  ASSERT_TRUE(train(clean).fits());
+  const auto reference = final_weights(clean, clean.checkpoint);
+  int recovered = 0;
+  for (int64_t nth = 1; nth < 2000; nth += 10) {
+    RunConfig cfg = moe();
+    cfg.inject_oom = parse_oom_injection(fmt::format("2:{}", nth));
+    cfg.checkpoint = dir.file("run");
+    cfg.metrics = dir.file("run.jsonl");
+    const TrainResult r = train(cfg);
+    ASSERT_TRUE(r.fits()) << "allocation " << nth << " of step 2 ended the run: " << r.oom->to_text();
+    const auto step2 = metrics_line(cfg.metrics, 2);
+    if (step2["oom_recoveries"] == 0) break;  // past the step's last allocation
+    ++recovered;
+    EXPECT_EQ(step2["tokens"], 4 * 16) << nth;
+    const auto weights = final_weights(cfg, cfg.checkpoint);
+    ASSERT_EQ(weights.size(), reference.size());
+    for (size_t i = 0; i < weights.size(); ++i) {
+      ASSERT_LT((weights[i] - reference[i]).abs().max().item<double>(), 1e-4) << "allocation " << nth << ", parameter " << i;
+    }
+  }
+  EXPECT_GT(recovered, 10);  // the experts' allocations are among those that failed
+}
+
 TEST(OomGuard, OffMeansTheFirstOomEndsTheRun) {
   RunConfig cfg = guarded_run();
   cfg.no_guard = true;

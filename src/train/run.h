@@ -56,6 +56,8 @@ struct Run {
   // --inject-leak: what the planted leak keeps alive.
   std::vector<at::Tensor> leaked_outputs;
   at::Tensor leaked_loss;
+  // A mixture of experts: this step's routing skew so far (model/experts.h), reset as it is recorded.
+  double routing_skew = 0;
 
   const std::vector<NamedTensor>& parameters() const { return model->parameters(); }
   int rank() const { return comm ? comm->rank() : 0; }

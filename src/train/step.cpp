@@ -23,11 +23,12 @@ MicroBatch load_micro_batch(Run& run, const StepShape& s, int64_t m) {
 at::Tensor forward_loss(Run& run, const MicroBatch& b) {
   auto phase = run.monitor->phase(Phase::forward);
   const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
-  at::Tensor router_loss;  // a mixture of experts' load-balancing loss, when its config asks for it
-  const at::Tensor logits = run.model->forward(b.inputs, run.forward, &router_loss);
+  RouterOutput router;  // a mixture of experts' routing skew, and its load-balancing loss when asked for
+  const at::Tensor logits = run.model->forward(b.inputs, run.forward, &router);
+  run.routing_skew = std::max(run.routing_skew, router.skew);
   if (run.config.inject_leak == LeakInjection::keep_outputs) run.leaked_outputs.push_back(logits.detach());
   at::Tensor loss = token_loss(logits, b.targets);
-  if (router_loss.defined()) loss = loss + router_loss;
+  if (router.loss.defined()) loss = loss + router.loss;
   if (run.config.inject_leak == LeakInjection::keep_graph) {
     run.leaked_loss = run.leaked_loss.defined() ? run.leaked_loss + loss : loss;
   }
@@ -90,9 +91,9 @@ void rehearse_collectives(Run& run, int64_t step) {
   at::Tensor loss;
   {
     const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
-    at::Tensor router_loss;
-    loss = token_loss(run.model->forward(b.inputs.to(run.device), run.forward, &router_loss), b.targets.to(run.device));
-    if (router_loss.defined()) loss = loss + router_loss;
+    RouterOutput router;
+    loss = token_loss(run.model->forward(b.inputs.to(run.device), run.forward, &router), b.targets.to(run.device));
+    if (router.loss.defined()) loss = loss + router.loss;
   }
   (loss * 0.0).backward();
   run.replicas->end_backward();

@@ -23,6 +23,7 @@ nlohmann::json StepRecord::to_json() const {
   if (skipped) j["skipped"] = true;
   if (loss_scale) j["loss_scale"] = *loss_scale;
   if (eval_loss) j["eval_loss"] = *eval_loss;
+  if (routing_skew) j["routing_skew"] = *routing_skew;
   return j;
 }
 

@@ -32,6 +32,9 @@ struct StepRecord {
   bool skipped = false;
   std::optional<double> loss_scale;
   std::optional<double> eval_loss;
+  // A mixture of experts: the most tokens any expert received in the step, relative to a balanced
+  // share (1: balanced) — what `--moe-routing` takes to estimate with the skew this run had.
+  std::optional<double> routing_skew;
 
   // One line of the --metrics file (train/metrics_log.h documents the fields).
   nlohmann::json to_json() const;

@@ -262,6 +262,8 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   r.oom_recoveries = g.recoveries;
   r.skipped = g.outcome.skipped;
   if (run.scaler) r.loss_scale = run.scaler->scale_value();
+  if (run.model_config.moe) r.routing_skew = run.routing_skew;
+  run.routing_skew = 0;
   return r;
 }
 
@@ -305,6 +307,9 @@ TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepReco
   if (!steps.empty()) {
     s.final_loss = steps.back().loss;
     if (steps.back().eval_loss) s.eval_loss = *steps.back().eval_loss;
+  }
+  for (const StepRecord& r : steps) {
+    if (r.routing_skew) s.routing_skew = std::max(s.routing_skew.value_or(0.0), *r.routing_skew);
   }
   s.tokens_per_s = step_seconds > 0 ? static_cast<double>(tokens) / step_seconds : 0.0;
   if (!run.device.is_cuda() || run.records_origins()) {

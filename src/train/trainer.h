@@ -42,6 +42,8 @@ struct TrainSummary {
   // (gathered at the end; empty for a lone process, or when the run did not end together).
   int rank = 0, ranks = 1;
   std::vector<int64_t> rank_peak_bytes;
+  // A mixture of experts: the largest routing skew of the steps (StepRecord::routing_skew).
+  std::optional<double> routing_skew;
 };
 
 // Training that diverged: the loss (or, without loss scaling, the gradient norm) stopped being a number.

@@ -16,6 +16,7 @@
 #include "memory/oom_report.h"
 #include "model/causal_lm.h"
 #include "testing/jsonl.h"
+#include "testing/test_models.h"
 #include "testing/temp_dir.h"
 #include "util/error.h"
 
@@ -55,6 +56,33 @@ TEST(Trainer, TinyLearnsTheBundledCorpus) {
   EXPECT_EQ(s.steps, 200);
   EXPECT_LE(s.eval_loss, 0.7 * before) << "before " << before << " after " << s.eval_loss;
 }
+
+// Every family learns: a shrunk model of each (testing/test_models.h) lowers its held-out loss on
+// the bundled corpus within a short run.
+class EveryFamilyLearns : public ::testing::TestWithParam<testing::ShrunkModel> {};
+
+TEST_P(EveryFamilyLearns, HeldOutLossFalls) {
+  RunConfig cfg;
+  cfg.model = GetParam().preset;
+  cfg.overrides = GetParam().overrides;
+  cfg.steps = 60;
+  cfg.batch = 8;
+  cfg.seq = 64;
+  cfg.eval_rows = 16;
+  cfg.device = "cpu";
+  cfg.quiet = true;
+  const double before = initial_eval_loss(cfg);
+  const TrainResult r = train(cfg);
+  ASSERT_EQ(r.summary.steps, 60);
+  EXPECT_LE(r.summary.eval_loss, 0.8 * before) << GetParam().label << ": before " << before << " after "
+                                               << r.summary.eval_loss;
+  // A mixture of experts reports the skew of its routing each step.
+  EXPECT_EQ(r.steps.back().routing_skew.has_value(), GetParam().load().moe.has_value());
+  if (r.summary.routing_skew) EXPECT_GE(*r.summary.routing_skew, 1.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, EveryFamilyLearns, ::testing::ValuesIn(testing::shrunk_models()),
+                         [](const auto& info) { return info.param.label; });
 
 TEST(Trainer, ResumeGivesTheIdenticalLossSequence) {
   TempDir dir;
