@@ -1,6 +1,6 @@
 """``python -m headroom estimate|plan --model config.json ...``: the command line's estimate and plan
 for any transformers config. The families headroom implements itself (gpt2, llama, mistral, qwen2,
-gpt_neox) go through the C++ core, as ``headroom estimate`` gives them; every other model_type is
+gpt_neox, qwen3, qwen3_moe, mixtral, gemma3/gemma3_text, phi3, olmo2) go through the C++ core, as ``headroom estimate`` gives them; every other model_type is
 built as transformers' own model on the meta device (fp32 weights, as the native families train)
 and its training step traced (``headroom.estimate(model, inputs)``). The JSON is the same object.
 
@@ -16,7 +16,8 @@ import signal
 import sys
 from typing import Any, Dict, List, Tuple
 
-NATIVE = ("gpt2", "llama", "mistral", "qwen2", "gpt_neox")
+NATIVE = ("gpt2", "llama", "mistral", "qwen2", "gpt_neox", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gemma3_text",
+          "phi3", "olmo2")
 
 
 class BadInput(Exception):

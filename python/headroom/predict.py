@@ -1,5 +1,6 @@
 """Predict a configuration's peak memory, and plan the fastest one that fits, for a transformers
-config (the families gpt2, llama, mistral, qwen2, gpt_neox).
+config (the native families gpt2, llama, mistral, qwen2, gpt_neox, qwen3, qwen3_moe, mixtral, gemma3 and
+gemma3_text, phi3, olmo2; any other model through :func:`headroom.anymodel.estimate_model`).
 
 The prediction is headroom's estimator: it replays a training step of headroom's own
 implementation of the family (its attention path, its float32 loss, its checkpointing), operator by
@@ -67,6 +68,7 @@ def estimate(
     device: str = "cpu",
     world_size: int = 1,
     shard: str = "none",
+    moe_routing: str = "balanced",
 ) -> Dict[str, Any]:
     """A training step's predicted peak memory per rank, without running it.
 
@@ -78,7 +80,10 @@ def estimate(
     math; shard none, optimizer, gradients, full. ``optimizer_impl``: ``"torch"`` predicts the update
     of ``torch.optim``'s class of that name (its default: single-tensor on cpu, foreach on cuda;
     without weight decay for Adam and Adagrad; adafactor is predicted as headroom's own), as your
-    script runs it; ``"headroom"`` that of headroom's own trainer (in place).
+    script runs it; ``"headroom"`` that of headroom's own trainer (in place). ``moe_routing``, for a
+    mixture of experts: ``"balanced"``, ``"worst"`` or a measured skew such as ``"1.8"``; the result's
+    ``"experts"`` object says what was assumed and shows the experts' weights, gradients and
+    optimizer state apart.
 
     **Any model**: ``estimate(model, inputs, loss_fn=None, optimizer=, precision=, checkpointing=,
     device=, accum=)`` with a ``torch.nn.Module`` (real, or built on the meta device) and what it is
@@ -104,7 +109,7 @@ def estimate(
     text, origin = _config_json(config)
     flags = _flags(batch=batch, seq=seq, accum=accum, precision=precision, optimizer=optimizer,
                    optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention, device=device, world_size=world_size,
-                   shard=shard)
+                   shard=shard, moe_routing=moe_routing)
     return json.loads(_core.estimate(text, origin, flags))
 
 

@@ -124,22 +124,23 @@ def run_module(*args):
 
 
 def test_python_m_headroom_estimates_a_config_outside_the_native_families(tmp_path):
-    config = {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-              "tie_word_embeddings": True, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
-              "architectures": ["Qwen3ForCausalLM"]}
+    # Granite (not native to headroom) at Qwen3-0.6B-like widths and vocabulary.
+    config = {"model_type": "granite", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 151936,
+              "tie_word_embeddings": True, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+              "architectures": ["GraniteForCausalLM"]}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     done = run_module("estimate", "--model", str(tmp_path), "--set", "num_hidden_layers=4", "--batch", "2",
                       "--seq", "64", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    # Qwen3-0.6B's widths at 4 layers, counted independently: tied embeddings once, per layer
-    # q/k/v/o, q/k norms, the SwiGLU MLP and two norms, and the final norm.
-    h, inner, q, kv, d = 1024, 3072, 16 * 128, 8 * 128, 128
-    per_layer = h * q + 2 * h * kv + q * h + 2 * d + 3 * h * inner + 2 * h
+    # Counted independently: tied embeddings once, per layer q/k/v/o, the SwiGLU MLP and two norms,
+    # and the final norm.
+    h, inner, q, kv = 1024, 3072, 16 * 64, 8 * 64
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inner + 2 * h
     assert out["model"]["params"] == 151936 * h + 4 * per_layer + h
-    assert out["model"]["name"] == "Qwen3ForCausalLM"
+    assert out["model"]["name"] == "GraniteForCausalLM"
     # fp32 weights, as the native families train (not the config's bf16)
     assert out["breakdown"]["weights"] == 4 * out["model"]["params"]
     assert out["peak_bytes"] > 0 and out["reserved_bytes"] >= out["peak_bytes"]

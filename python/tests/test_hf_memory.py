@@ -35,6 +35,14 @@ FAMILIES = [
     ("mistral-7b", transformers.MistralConfig, transformers.MistralForCausalLM, {"num_hidden_layers": 1}),
     ("qwen2.5-0.5b", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"num_hidden_layers": 2}),
     ("pythia-160m", transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, {"num_hidden_layers": 2}),
+    ("qwen3-0.6b", transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"num_hidden_layers": 2}),
+    ("qwen3-30b-a3b", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+     {"num_hidden_layers": 1, "num_experts": 8}),
+    ("mixtral-8x7b", transformers.MixtralConfig, transformers.MixtralForCausalLM,
+     {"num_hidden_layers": 1, "num_local_experts": 2}),
+    ("gemma-3-1b", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {"num_hidden_layers": 2}),
+    ("phi-3-mini", transformers.Phi3Config, transformers.Phi3ForCausalLM, {"num_hidden_layers": 1}),
+    ("olmo-2-7b", transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {"num_hidden_layers": 1}),
 ]
 
 

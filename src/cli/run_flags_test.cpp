@@ -40,6 +40,7 @@ const std::map<std::string, std::vector<std::string>>& samples() {
       {"device", {"cpu"}},
       {"threads", {"2"}},
       {"attention", {"math"}},
+      {"moe-routing", {"1.75"}},
       {"precision", {"bf16-mixed"}},
       {"checkpointing", {"every:2"}},
       {"memory-budget", {"140MiB"}},

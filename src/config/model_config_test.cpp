@@ -34,7 +34,16 @@ INSTANTIATE_TEST_SUITE_P(Presets, PublishedCounts,
                                            Published{"qwen2.5-0.5b", 494'032'768},
                                            Published{"pythia-160m", 162'322'944},
                                            Published{"mistral-7b", 7'241'732'096},
-                                           Published{"llama-3.1-70b", 70'553'706'496}),
+                                           Published{"llama-3.1-70b", 70'553'706'496},
+                                           // transformers 5.24's models on the meta device (Qwen3-8B's
+                                           // and Mixtral-8x7B's also as published)
+                                           Published{"qwen3-0.6b", 596'049'920},
+                                           Published{"qwen3-8b", 8'190'735'360},
+                                           Published{"qwen3-30b-a3b", 30'532'122'624},
+                                           Published{"mixtral-8x7b", 46'702'792'704},
+                                           Published{"gemma-3-1b", 999'885'952},
+                                           Published{"phi-3-mini", 3'821'079'552},
+                                           Published{"olmo-2-7b", 7'298'617'344}),
                          [](const auto& info) {
                            std::string n = info.param.preset;
                            for (char& ch : n)

@@ -120,7 +120,10 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
     // A query that is not a transposed view of its projection — partial rotary's cat, a q norm's
     // output — makes the kernel's output contiguous in [B, heads, T, hd], and the merge copy it.
     const bool contiguous_query = (rotated && c_.rotary_dim != c_.head_dim);
-    y = fused_attention(q, k, v, shape, windowed, contiguous_query);
+    // On cuda in 2 bytes a window is FlashAttention's own (model/attention.cpp): no mask; elsewhere
+    // the fused kernel gets it as a seq × seq mask.
+    const bool mask = windowed && !(s_.cuda && q.elem == 2 && c_.head_dim % 8 == 0 && c_.head_dim <= 256);
+    y = fused_attention(q, k, v, shape, mask, contiguous_query);
   }
   q = k = v = Tensor{};
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");

@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "device/flash_window_adapter.h"
+
 namespace headroom {
 
 namespace {
@@ -27,6 +29,10 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const double scale = scale_in.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
 
   if (path == AttentionPath::flash) {
+    // cuda, 2-byte: FlashAttention's own window, no mask (device/flash_window_adapter.h).
+    if (windowed && windowed_flash_available(q)) {
+      return windowed_flash_attention(q, k, v, *sliding_window, scale, dropout_p);
+    }
     if (!windowed) {
       return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, /*is_causal=*/true, scale,
                                               /*enable_gqa=*/groups > 1);

@@ -1,7 +1,9 @@
 // Causal self-attention over already-projected heads, by one of two paths.
 //
 // flash: at::scaled_dot_product_attention, which picks a fused kernel and never materialises the
-//        T x T score matrix when it can avoid it.
+//        T x T score matrix when it can avoid it. A sliding window is a T x T mask for it, except on
+//        cuda in fp16/bf16, where FlashAttention's own window (device/flash_window_adapter.h) needs
+//        none.
 // math:  the textbook path — scores = q k^T / sqrt(d), mask, softmax in float32, dropout, times v —
 //        which holds the B x H x T x T scores (and probabilities) for backward. The difference in
 //        memory between the two is one of the things headroom measures and explains.
