@@ -105,7 +105,10 @@ void OptimizerReplay::clipping_temporaries() {
 // denominator is still bound to its Python name; foreach (the default on cuda): the square roots of
 // every parameter's state at once (Adagrad: and the scaled gradients). Not modelled: the gradient
 // copy that non-decoupled weight decay makes (Adam, Adagrad, SGD with weight_decay > 0; off by
-// default), and torch's own Adafactor (headroom's is predicted).
+// default), and torch's own Adafactor (headroom's is predicted). A mixture of experts' weights are,
+// in transformers (the model such a script trains), two 3-D parameters a layer — every expert's
+// gate and up projections in one, their down projections in another — so its single-tensor update
+// makes each temporary that size, not one expert's.
 void OptimizerReplay::torch_update_temporaries() {
   const bool adam = is_adam_family(s_.optimizer);
   if (!adam && s_.optimizer != OptimizerKind::adagrad) return;  // sgd, momentum: in place; adafactor: headroom's
@@ -114,24 +117,41 @@ void OptimizerReplay::torch_update_temporaries() {
       s_.cuda ? "foreach: sqrt of every parameter's state at once, parameters × " + std::to_string(ew_) + " B"
               : "single-tensor: sqrt(state) and its quotient for one parameter, and the "
                 "previous parameter's denominator");
-  auto bytes = [&](const std::string& name) {
-    const int64_t n = params_.at(name).t.numel;
-    return (dp_.sharded() ? std::min(dp_.chunk(n), n) : n) * ew_;
-  };
+  auto bytes_of = [&](int64_t n) { return (dp_.sharded() ? std::min(dp_.chunk(n), n) : n) * ew_; };
+  // The parameters as torch.optim sees them: transformers' tensors, in order.
+  std::vector<int64_t> tensors;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const std::string& name = order_[i];
+    const size_t at = name.find(".mlp.experts.");
+    if (at == std::string::npos) {
+      tensors.push_back(params_.at(name).t.numel);
+      continue;
+    }
+    // The layer's experts, all of them from here: gate_up, then down.
+    const std::string layer = name.substr(0, at);
+    int64_t gate_up = 0, down = 0;
+    for (; i < order_.size() && order_[i].rfind(layer + ".mlp.experts.", 0) == 0; ++i) {
+      const bool is_down = order_[i].find("down_proj") != std::string::npos;
+      (is_down ? down : gate_up) += params_.at(order_[i]).t.numel;
+    }
+    --i;
+    tensors.push_back(gate_up);
+    tensors.push_back(down);
+  }
   if (s_.cuda) {
     std::vector<Ref> roots, numerators;
-    for (const auto& name : order_) roots.push_back(mem_.allocate(bytes(name), lbl));
+    for (const int64_t n : tensors) roots.push_back(mem_.allocate(bytes_of(n), lbl));
     // Adagrad's foreach update also scales every gradient into a new tensor while the roots live.
     if (!adam) {
-      for (const auto& name : order_) numerators.push_back(mem_.allocate(bytes(name), lbl));
+      for (const int64_t n : tensors) numerators.push_back(mem_.allocate(bytes_of(n), lbl));
     }
     return;
   }
   Ref denominator;
-  for (const auto& name : order_) {
-    Ref root = mem_.allocate(bytes(name), lbl);
+  for (const int64_t n : tensors) {
+    Ref root = mem_.allocate(bytes_of(n), lbl);
     if (adam) {
-      Ref quotient = mem_.allocate(bytes(name), lbl);
+      Ref quotient = mem_.allocate(bytes_of(n), lbl);
       root.reset();
       denominator = std::move(quotient);  // the previous one goes as the name is rebound
     } else {

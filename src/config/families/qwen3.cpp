@@ -26,7 +26,14 @@ void read_qwen3(FieldReader& r, ModelConfig& c, const std::string& origin) {
   }
   if (c.family != Family::qwen3_moe) return;
   MoeConfig moe;
-  moe.experts = r.integer_or("num_experts", 128);
+  // transformers 5 writes num_local_experts for it; earlier configs (the hub's) num_experts.
+  if (r.has("num_experts") && r.has("num_local_experts") &&
+      r.integer("num_experts") != r.integer("num_local_experts")) {
+    fail("{}: num_experts ({}) and num_local_experts ({}) disagree; accepted: one of them (transformers 5 writes "
+         "num_local_experts)",
+         origin, r.integer("num_experts"), r.integer("num_local_experts"));
+  }
+  moe.experts = r.has("num_experts") ? r.integer("num_experts") : r.integer_or("num_local_experts", 128);
   moe.top_k = r.integer_or("num_experts_per_tok", 8);
   moe.intermediate_size = r.integer_or("moe_intermediate_size", 768);
   moe.normalise_top_k = r.boolean_or("norm_topk_prob", false);
