@@ -196,7 +196,7 @@ class Diagnosis {
   // precision whose matmuls this device emulates is not run: a step would take many times the
   // reference, and its memory is what the estimator says.
   void predict_levers() {
-    changes_ = lever_changes(cfg_, model_.num_layers);
+    changes_ = lever_changes(cfg_, model_);
     for (const LeverChange& ch : changes_) {
       RunConfig c = cfg_;
       ch.apply(c);

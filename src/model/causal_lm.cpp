@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "device/storage_adapter.h"
+#include "model/activation.h"
 #include "util/error.h"
 
 namespace headroom {
@@ -185,16 +186,6 @@ at::Tensor CausalLM::norm(const at::Tensor& x, const at::Tensor& w, const at::Te
 }
 
 namespace {
-
-at::Tensor activate(const at::Tensor& x, Activation a) {
-  switch (a) {
-    case Activation::gelu: return at::gelu(x);
-    case Activation::gelu_tanh: return at::gelu(x, "tanh");
-    case Activation::silu: return at::silu(x);
-    case Activation::relu: return at::relu(x);
-  }
-  return x;
-}
 
 at::Tensor maybe_dropout(const at::Tensor& x, double p, bool training) {
   return (training && p > 0) ? at::dropout(x, p, true) : x;

@@ -5,20 +5,9 @@
 
 #include <algorithm>
 
+#include "model/activation.h"
+
 namespace headroom {
-namespace {
-
-at::Tensor activate(const at::Tensor& x, Activation a) {
-  switch (a) {
-    case Activation::gelu: return at::gelu(x);
-    case Activation::gelu_tanh: return at::gelu(x, "tanh");
-    case Activation::silu: return at::silu(x);
-    case Activation::relu: return at::relu(x);
-  }
-  return x;
-}
-
-}  // namespace
 
 at::Tensor mixture_of_experts(const at::Tensor& x, const at::Tensor& router_w, const std::vector<Expert>& experts,
                               const MoeConfig& moe, Activation activation, RouterStats* stats) {

@@ -21,10 +21,11 @@ std::vector<Precision> precision_settings(Precision given) {
   return {Precision::fp32, Precision::bf16_mixed, Precision::fp16_mixed};
 }
 
-std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers) {
+std::vector<CheckpointPolicy> checkpoint_settings(const ModelConfig& model) {
   std::vector<CheckpointPolicy> out = {CheckpointPolicy::none(), CheckpointPolicy::selective()};
+  if (model.moe && model.moe->aux_loss) return out;
   for (int64_t k : {4, 2}) {
-    if (layers > k) out.push_back(CheckpointPolicy::every_kth(k));
+    if (model.num_layers > k) out.push_back(CheckpointPolicy::every_kth(k));
   }
   out.push_back(CheckpointPolicy::full());
   return out;
@@ -47,7 +48,7 @@ std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_ch
   return out;
 }
 
-std::vector<LeverChange> lever_changes(const RunConfig& cfg, int64_t layers) {
+std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& model) {
   std::vector<LeverChange> out;
   // The flags of a change are what the field table writes for it on top of the configuration.
   auto add = [&](Lever lever, std::string setting, std::string note, std::function<void(RunConfig&)> apply) {
@@ -69,7 +70,7 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, int64_t layers) {
     add(Lever::precision, precision_name(p), p == Precision::bf16 ? "weights, gradients and state in bf16 too" : "autocast",
         [p](RunConfig& c) { c.precision = p; });
   }
-  for (const CheckpointPolicy& k : checkpoint_settings(layers)) {
+  for (const CheckpointPolicy& k : checkpoint_settings(model)) {
     if (k == cfg.checkpointing || k.kind == CheckpointPolicy::Kind::none) continue;
     add(Lever::checkpointing, k.name(), "recompute in backward", [k](RunConfig& c) { c.checkpointing = k; });
   }

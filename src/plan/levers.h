@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "config/model_config.h"
 #include "config/run_config.h"
 
 namespace headroom {
@@ -20,8 +21,10 @@ const char* lever_name(Lever lever);
 // Precisions: fp32, bf16-mixed and fp16-mixed; a run given pure bf16 stays in pure bf16 (its
 // weights are bf16: the others would be a different model).
 std::vector<Precision> precision_settings(Precision given);
-// none, selective, every:4 and every:2 where the model is deeper than that, full.
-std::vector<CheckpointPolicy> checkpoint_settings(int64_t layers);
+// none, selective, every:4 and every:2 where the model is deeper than that, full. Not the
+// whole-layer ones for a mixture of experts that trains with its load-balancing loss (the trainer
+// refuses them: model/causal_lm.h).
+std::vector<CheckpointPolicy> checkpoint_settings(const ModelConfig& model);
 std::vector<AttentionPath> attention_settings();
 // Shard levels for `world` data-parallel ranks: none alone for one rank; else none, optimizer,
 // gradients and full.
@@ -38,10 +41,10 @@ struct LeverChange {
   std::function<void(RunConfig&)> apply;
 };
 
-// Each single-lever change worth trying from `config` (a model of `layers` layers), in lever order:
+// Each single-lever change worth trying from `config` (of `model`), in lever order:
 // accumulation at a half and a quarter of the micro-batch (same global batch), every other
 // precision, every other checkpointing policy, the other attention path, and the optimizers with
 // less state (adafactor, sgd) — or, for adam and adamw, the other one, which holds the same state.
-std::vector<LeverChange> lever_changes(const RunConfig& config, int64_t layers);
+std::vector<LeverChange> lever_changes(const RunConfig& config, const ModelConfig& model);
 
 }  // namespace headroom

@@ -30,7 +30,7 @@ std::string estimated_levers(const RunConfig& cfg, int64_t budget) {
   const int64_t own = peak_of(one);
   std::vector<std::string> parts;
   std::map<Lever, std::pair<int64_t, const LeverChange*>> best;
-  const std::vector<LeverChange> changes = lever_changes(one, model.num_layers);
+  const std::vector<LeverChange> changes = lever_changes(one, model);
   for (const LeverChange& ch : changes) {
     if (ch.lever == Lever::accumulation) continue;  // nothing to split at micro-batch 1
     RunConfig c = one;

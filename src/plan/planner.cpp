@@ -75,7 +75,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
   out.smallest_peak = -1;
   for (int64_t micro : micro_batches(per_rank)) {
     for (Precision precision : precision_settings(r.base.precision)) {
-      for (const CheckpointPolicy& checkpointing : checkpoint_settings(model.num_layers)) {
+      for (const CheckpointPolicy& checkpointing : checkpoint_settings(model)) {
         for (AttentionPath attention : attention_settings()) {
           for (OptimizerKind optimizer : optimizer_settings(r.base.optimizer, r.allow_optimizer_change)) {
             for (ShardLevel shard : shard_settings(world)) {

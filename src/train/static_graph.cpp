@@ -98,6 +98,10 @@ bool capture_step(const Trial& t, CudaGraph& graph, const at::Tensor& inputs, co
           "activation checkpointing saves and restores the CUDA random-number state for its recompute, which a "
           "capture cannot read");
     }
+    if (t.run.model_config.moe) {
+      fail("a mixture of experts sizes each expert's work by its routing, read back to the host every step, which "
+           "a capture cannot contain");
+    }
     graph.capture(t.index, [&] {
       static_loss = micro_batch_loss(t, inputs, targets);
       micro_batch_backward(t, static_loss);
