@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 
 #include <cmath>
+#include <memory>
 
 #include "device/storage_adapter.h"
 #include "model/activation.h"
@@ -305,9 +306,10 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
     fail("output_router_logits (the router's load-balancing loss) with activation checkpointing is not supported; "
          "accepted: --checkpointing none, or --set output_router_logits=false");
   }
-  RouterStats stats;
-  stats.balance = balance;
-  RouterStats* collect = router && config_.moe ? &stats : nullptr;
+  // Shared: a checkpointed layer's recompute (in backward, after this returns) reports into it too.
+  const auto stats = std::make_shared<RouterStats>();
+  stats->balance = balance;
+  RouterStats* collect = router && config_.moe ? stats.get() : nullptr;
   ParameterGate* gate = o.gate;
   if (gate) gate->gather(0);
   at::Tensor x = at::embedding(embed_, input_ids);
@@ -331,8 +333,10 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
     if (o.checkpoint.whole_layer(static_cast<int64_t>(i)) && c10::GradMode::is_enabled()) {
       ForwardOptions inner = o;
       inner.checkpoint = {};  // nothing nested inside a checkpointed layer
+      // Only the routing's skew from a checkpointed layer (its load-balancing loss is refused above).
+      std::shared_ptr<RouterStats> skew = collect ? stats : nullptr;
       x = checkpointed(
-          [this, l, rope, inner](const at::Tensor& h) { return block(*l, h, rope, inner, nullptr); }, x);
+          [this, l, rope, inner, skew](const at::Tensor& h) { return block(*l, h, rope, inner, skew.get()); }, x);
     } else {
       x = block(*l, x, rope, o, collect);
     }
@@ -345,8 +349,8 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
   at::Tensor logits = at::linear(x, head_);
   if (gate) gate->forward_done(0);
   if (router) {
-    router->skew = stats.skew;
-    if (balance && stats.rows > 0) router->loss = load_balancing_loss(stats, *config_.moe);
+    router->skew = stats->skew;
+    if (balance && stats->rows > 0) router->loss = load_balancing_loss(*stats, *config_.moe);
   }
   return logits;
 }

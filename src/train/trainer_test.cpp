@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -83,6 +84,34 @@ TEST_P(EveryFamilyLearns, HeldOutLossFalls) {
 
 INSTANTIATE_TEST_SUITE_P(Families, EveryFamilyLearns, ::testing::ValuesIn(testing::shrunk_models()),
                          [](const auto& info) { return info.param.label; });
+
+// The routing skew a mixture of experts reports is the routing's, whatever the checkpointing: a
+// checkpointed layer reports from its forward (and its recompute) as a plain one does.
+TEST(Trainer, RoutingSkewIsReportedUnderCheckpointingToo) {
+  const auto models = testing::shrunk_models();
+  const auto moe = std::find_if(models.begin(), models.end(), [](const auto& m) { return m.label == "qwen3_moe"; });
+  ASSERT_NE(moe, models.end());
+  std::vector<double> skews;
+  for (const char* policy : {"none", "full", "selective"}) {
+    RunConfig cfg;
+    cfg.model = moe->preset;
+    cfg.overrides = moe->overrides;
+    cfg.steps = 1;
+    cfg.batch = 4;
+    cfg.seq = 32;
+    cfg.eval_rows = 0;
+    cfg.device = "cpu";
+    cfg.quiet = true;
+    cfg.checkpointing = parse_checkpoint_policy(policy);
+    const TrainResult r = train(cfg);
+    ASSERT_EQ(r.steps.size(), 1u) << policy;
+    ASSERT_TRUE(r.steps[0].routing_skew.has_value()) << policy;
+    skews.push_back(*r.steps[0].routing_skew);
+  }
+  EXPECT_GE(skews[0], 1.0);
+  EXPECT_EQ(skews[1], skews[0]);  // the same weights route the same tokens alike
+  EXPECT_EQ(skews[2], skews[0]);
+}
 
 TEST(Trainer, ResumeGivesTheIdenticalLossSequence) {
   TempDir dir;
