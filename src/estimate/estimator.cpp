@@ -117,6 +117,15 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   if (spec.seq > model.max_positions) {
     fail("--seq {} exceeds {}'s max_position_embeddings {}", spec.seq, model.name, model.max_positions);
   }
+  if (model.moe && model.moe->aux_loss) {
+    for (int64_t i = 0; i < model.num_layers; ++i) {
+      if (model.sparse(i) && spec.checkpointing.whole_layer(i)) {
+        fail("output_router_logits (the router's load-balancing loss) with --checkpointing {} is not supported, as "
+             "train refuses it; accepted: --checkpointing none or selective, or --set output_router_logits=false",
+             spec.checkpointing.name());
+      }
+    }
+  }
   replay::StepReplay step(model, spec);
   return step.run();
 }
