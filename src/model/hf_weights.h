@@ -1,0 +1,29 @@
+// Hugging Face checkpoints into headroom's models: a directory holding model.safetensors, or the
+// shards that model.safetensors.index.json names, mapped family by family onto CausalLM's
+// parameters (names, gpt2's transposed Conv1D weights, experts stored per expert or as 3-D tensors,
+// Gemma 3's and OLMo-2's norms, a multimodal Gemma 3's language model), converted to the model's
+// dtype. Buffers older checkpoints carry (rotary inv_freq, causal masks) are skipped; a tied head
+// may be absent or present. The first missing, unexpected or mis-shaped tensor is an Error naming
+// it, and the model is left unchanged by a load that fails.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config/model_config.h"
+#include "model/causal_lm.h"
+
+namespace headroom {
+
+// headroom's names and tensors for one tensor of a Hugging Face checkpoint of `family`: usually one,
+// several for a 3-D expert tensor, none for a buffer to skip. Error for a name it does not know.
+std::vector<std::pair<std::string, at::Tensor>> headroom_tensors(const std::string& hf_name, const at::Tensor& t,
+                                                                 const ModelConfig& config);
+
+// Loads `dir` into `model`'s parameters; `what` names the directory's origin in errors (a flag).
+void load_hf_weights(const std::string& dir, CausalLM& model, const std::string& what = "--weights");
+
+}  // namespace headroom
