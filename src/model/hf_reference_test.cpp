@@ -19,56 +19,51 @@
 namespace headroom {
 namespace {
 
-class MatchesHuggingFace : public ::testing::TestWithParam<std::string> {};
-
-TEST_P(MatchesHuggingFace, SameWeightsSameLogits) {
-  const std::string dir = std::string(HEADROOM_SOURCE_DIR) + "/src/model/testdata/hf/" + GetParam();
-  std::ifstream in(dir + "/reference.json");
-  ASSERT_TRUE(in) << dir;
-  const auto ref = nlohmann::json::parse(in);
-  const ModelConfig cfg = load_model_config(ref["preset"], ref["overrides"].get<std::vector<std::string>>());
-  CausalLM model(cfg, at::TensorOptions().dtype(at::kFloat), 0);
-  load_checkpoint(dir, model.parameters(), {});
-
-  const auto ids_list = ref["input_ids"].get<std::vector<std::vector<int64_t>>>();
-  auto ids = at::empty({static_cast<int64_t>(ids_list.size()), static_cast<int64_t>(ids_list[0].size())}, at::kLong);
-  for (size_t b = 0; b < ids_list.size(); ++b) {
-    for (size_t t = 0; t < ids_list[b].size(); ++t) ids[b][t] = ids_list[b][t];
+class MatchesHuggingFace : public ::testing::TestWithParam<std::string> {
+ protected:
+  // The family's fixture: its directory, its config, the input ids and transformers' logits.
+  void SetUp() override {
+    dir_ = std::string(HEADROOM_SOURCE_DIR) + "/src/model/testdata/hf/" + GetParam();
+    std::ifstream in(dir_ + "/reference.json");
+    ASSERT_TRUE(in) << dir_;
+    const auto ref = nlohmann::json::parse(in);
+    config_ = load_model_config(ref["preset"], ref["overrides"].get<std::vector<std::string>>());
+    const auto ids = ref["input_ids"].get<std::vector<std::vector<int64_t>>>();
+    ids_ = at::empty({static_cast<int64_t>(ids.size()), static_cast<int64_t>(ids[0].size())}, at::kLong);
+    for (size_t b = 0; b < ids.size(); ++b) {
+      for (size_t t = 0; t < ids[b].size(); ++t) ids_[b][t] = ids[b][t];
+    }
+    expected_ = at::tensor(ref["logits"].get<std::vector<float>>()).reshape(ref["shape"].get<std::vector<int64_t>>());
   }
-  const auto values = ref["logits"].get<std::vector<float>>();
-  const auto expected = at::tensor(values).reshape(ref["shape"].get<std::vector<int64_t>>());
 
-  c10::NoGradGuard no_grad;
-  for (auto path : {AttentionPath::flash, AttentionPath::math}) {
-    const auto logits = model.forward(ids, {path, /*training=*/false});
-    ASSERT_EQ(logits.sizes(), expected.sizes());
-    const double diff = (logits - expected).abs().max().item<double>();
-    const double scale = expected.abs().max().item<double>();
+  // The model's logits against transformers', on `path`.
+  void expect_logits(const CausalLM& model, AttentionPath path) const {
+    c10::NoGradGuard no_grad;
+    const auto logits = model.forward(ids_, {path, /*training=*/false});
+    ASSERT_EQ(logits.sizes(), expected_.sizes());
+    const double diff = (logits - expected_).abs().max().item<double>();
+    const double scale = expected_.abs().max().item<double>();
     EXPECT_LT(diff, 1e-4 * std::max(1.0, scale)) << GetParam() << " " << attention_path_name(path)
                                                  << ": max |difference| " << diff << " (logits up to " << scale << ")";
   }
+
+  std::string dir_;
+  ModelConfig config_;
+  at::Tensor ids_, expected_;
+};
+
+TEST_P(MatchesHuggingFace, SameWeightsSameLogits) {
+  CausalLM model(config_, at::TensorOptions().dtype(at::kFloat), 0);
+  load_checkpoint(dir_, model.parameters(), {});
+  for (auto path : {AttentionPath::flash, AttentionPath::math}) expect_logits(model, path);
 }
 
 // The same weights read from transformers' own save_pretrained output (model.safetensors, its names
 // and layouts) by the Hugging Face loader give the same logits.
 TEST_P(MatchesHuggingFace, SameLogitsFromTransformersOwnSafetensors) {
-  const std::string dir = std::string(HEADROOM_SOURCE_DIR) + "/src/model/testdata/hf/" + GetParam();
-  std::ifstream in(dir + "/reference.json");
-  ASSERT_TRUE(in) << dir;
-  const auto ref = nlohmann::json::parse(in);
-  const ModelConfig cfg = load_model_config(ref["preset"], ref["overrides"].get<std::vector<std::string>>());
-  CausalLM model(cfg, at::TensorOptions().dtype(at::kFloat), 0);
-  load_hf_weights(dir + "/hf", model);
-  const auto ids_list = ref["input_ids"].get<std::vector<std::vector<int64_t>>>();
-  auto ids = at::empty({static_cast<int64_t>(ids_list.size()), static_cast<int64_t>(ids_list[0].size())}, at::kLong);
-  for (size_t b = 0; b < ids_list.size(); ++b) {
-    for (size_t t = 0; t < ids_list[b].size(); ++t) ids[b][t] = ids_list[b][t];
-  }
-  const auto expected = at::tensor(ref["logits"].get<std::vector<float>>()).reshape(ref["shape"].get<std::vector<int64_t>>());
-  c10::NoGradGuard no_grad;
-  const auto logits = model.forward(ids, {AttentionPath::flash, /*training=*/false});
-  const double diff = (logits - expected).abs().max().item<double>();
-  EXPECT_LT(diff, 1e-4 * std::max(1.0, expected.abs().max().item<double>())) << GetParam();
+  CausalLM model(config_, at::TensorOptions().dtype(at::kFloat), 0);
+  load_hf_weights(dir_ + "/hf", model);
+  expect_logits(model, AttentionPath::flash);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, MatchesHuggingFace,
