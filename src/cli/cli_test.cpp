@@ -147,8 +147,8 @@ TEST(Cli, BadInputThatOnceMisledNowSaysWhatIsAccepted) {
   }
   // 33 bytes split 30/3: the message says so, and how long a text --seq 32 needs (330 bytes: 297/33).
   expect_usage_error("train --data " + dir.file("33.txt") + " --seq 32",
-                     "holds 30 bytes and its eval split (the last 10%) 3, and each needs a window of 33 (seq + 1); "
-                     "accepted: a text of at least 330 bytes");
+                     "33 bytes is too short for --seq 32: its train split (90%) holds 30 and its eval split (the "
+                     "last 10%) 3, and each needs a window of 33 (seq + 1); accepted: at least 330 bytes");
   expect_usage_error("train --data /dev/zero", "'/dev/zero' is not a regular file");
   expect_usage_error("train --config /dev/urandom", "'/dev/urandom' is not a regular file");
   expect_usage_error("train --steps 4 --warmup 10", "--warmup 10 is longer than --steps 4");

@@ -25,6 +25,9 @@ const std::map<std::string, std::vector<std::string>>& samples() {
       {"model", {"gpt2"}},
       {"set", {"n_layer=2", "n_embd=64"}},
       {"data", {"my corpus.txt"}},
+      {"data-tokens", {"uint16:train.bin"}},
+      {"weights", {"qwen3 base"}},
+      {"save-weights", {"tuned out"}},
       {"steps", {"300"}},
       {"batch", {"4"}},
       {"accum", {"2"}},
@@ -87,6 +90,15 @@ RunConfig parsed(std::vector<std::string> args) {
 TEST(RunFlags, EveryFieldHasASample) {
   for (const RunField& f : run_fields()) EXPECT_EQ(samples().count(f.key), 1u) << "no sample for --" << f.key;
   EXPECT_EQ(samples().size(), run_fields().size());
+}
+
+// --weights DIR brings its own config.json unless --model names another, in whatever order given.
+TEST(RunFlags, WeightsGiveTheModelUnlessOneIsNamed) {
+  EXPECT_EQ(parsed({"--weights", "ckpt"}).model, "ckpt");
+  EXPECT_EQ(parsed({"--weights", "ckpt", "--model", "gpt2"}).model, "gpt2");
+  EXPECT_EQ(parsed({"--model", "gpt2", "--weights", "ckpt"}).model, "gpt2");
+  EXPECT_EQ(parsed({"--weights", "ckpt"}).weights, "ckpt");
+  EXPECT_EQ(parsed({}).model, "tiny");
 }
 
 TEST(RunFlags, FlagsWrittenByTheTableReadBackToTheSameConfiguration) {

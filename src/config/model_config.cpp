@@ -308,6 +308,16 @@ std::string read_text_file(const std::string& path) {
     fail("--model: cannot read '{}' (not a preset name and not a readable file); presets: {}", path,
          fmt::join(preset_names(), ", "));
   }
+  // A checkpoint's directory: its config.json.
+  if (S_ISDIR(st.st_mode)) {
+    const std::string inner = path + "/config.json";
+    if (::stat(inner.c_str(), &st) != 0) {
+      fail("--model '{}': a directory without a config.json; accepted: a preset, a config.json, or a Hugging Face "
+           "checkpoint directory holding one",
+           path);
+    }
+    return read_file(inner, "--model", int64_t{16} << 20);
+  }
   return read_file(path, "--model", int64_t{16} << 20);
 }
 

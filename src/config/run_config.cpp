@@ -105,12 +105,32 @@ int64_t RunConfig::warmup_steps() const {
 
 const std::vector<RunField>& run_fields() {
   static const std::vector<RunField> fields = {
-      text("model", "model: a preset (tiny, small, gpt2, llama-3.2-1b, ...) or a config.json path", &RunConfig::model),
+      text("model",
+           "model: a preset (tiny, small, gpt2, llama-3.2-1b, ...), a config.json path, or a directory holding one "
+           "(default: --weights' config.json, else tiny)",
+           &RunConfig::model),
       {"set", Kind::list, "override a model config field, key=value (repeatable)",
        [](RunConfig& c, const std::string& s) { c.overrides.push_back(s); },
        [](const RunConfig& c) { return c.overrides; }},
       text("data", "training text file, up to 1 GiB (default: the bundled corpus); byte-level tokens",
            &RunConfig::data),
+      text("data-tokens",
+           "pre-tokenised training ids instead of --data: an llm.c .bin (256 int32 header: 20240520, version 1 "
+           "uint16 / 2 uint32, count, vocabulary size or 0), or uint16:FILE / uint32:FILE for a headerless one "
+           "(nanoGPT's); tools/tokenize.py writes one with the model's tokenizer",
+           &RunConfig::data_tokens),
+      {"weights", Kind::text,
+       "start from this Hugging Face checkpoint directory (model.safetensors, or its index and shards); --model "
+       "defaults to its config.json",
+       [](RunConfig& c, const std::string& s) {
+         c.weights = s;
+         if (c.model == RunConfig{}.model) c.model = s;  // its own config, unless --model names another
+       },
+       [](const RunConfig& c) { return Texts{c.weights}; }},
+      text("save-weights",
+           "at the end, write the trained weights as a Hugging Face checkpoint into this directory (config.json + "
+           "model.safetensors, which transformers' from_pretrained loads)",
+           &RunConfig::save_weights),
       integer("steps", "optimizer steps to train (total, counting resumed ones)", &RunConfig::steps),
       integer("batch", "micro-batch size in sequences", &RunConfig::batch),
       integer("accum", "micro-batches accumulated per optimizer step", &RunConfig::accum),
@@ -472,6 +492,9 @@ void validate(const RunConfig& c) {
   }
   if (c.stop_at > 0 && c.checkpoint.empty() && c.resume.empty()) {
     fail("--stop-at needs --checkpoint DIR (it saves the state to resume from)");
+  }
+  if (!c.data.empty() && !c.data_tokens.empty()) {
+    fail("--data and --data-tokens both given; accepted: one (text as bytes, or pre-tokenised ids)");
   }
   if (c.checkpoint_every > 0 && c.checkpoint.empty() && c.resume.empty()) {
     fail("--checkpoint-every needs --checkpoint DIR (where to write)");

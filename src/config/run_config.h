@@ -51,6 +51,12 @@ struct RunConfig : StepSettings {
   std::string model = "tiny";
   std::vector<std::string> overrides;  // --set key=value
   std::string data;                    // empty: the bundled corpus
+  // Pre-tokenised ids (data/token_file.h) instead of --data's bytes; the model's own vocabulary.
+  std::string data_tokens;
+  // A Hugging Face checkpoint directory to start from (model/hf_weights.h); the model's config
+  // defaults to its config.json.
+  std::string weights;
+  std::string save_weights;  // at the end, the trained weights as a Hugging Face checkpoint here
   int64_t steps = 200;
   double lr = 3e-3;
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio

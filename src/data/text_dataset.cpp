@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "data/embedded.h"
+#include "data/token_file.h"
 #include "util/error.h"
 #include "util/files.h"
 
@@ -30,15 +31,19 @@ at::Tensor bytes_to_tokens(std::string_view text) {
 }  // namespace
 
 TextDataset::TextDataset(std::string_view text, std::string origin, double eval_fraction, int64_t seq_len)
-    : seq_len_(seq_len), origin_(std::move(origin)) {
+    : TextDataset(bytes_to_tokens(text), 1, std::move(origin), eval_fraction, seq_len) {}
+
+TextDataset::TextDataset(const at::Tensor& raw, int width, std::string origin, double eval_fraction, int64_t seq_len)
+    : width_(width), seq_len_(seq_len), origin_(std::move(origin)) {
   if (seq_len <= 0) fail("--seq must be positive, got {}", seq_len);
   if (eval_fraction <= 0 || eval_fraction >= 1) fail("eval fraction must be in (0, 1), got {}", eval_fraction);
-  const auto n = static_cast<int64_t>(text.size());
+  const char* unit = width == 1 ? "bytes" : "tokens";
+  const int64_t n = raw.numel() / width;
   const auto n_eval = static_cast<int64_t>(static_cast<double>(n) * eval_fraction);
   const int64_t n_train = n - n_eval;
   const int64_t need = seq_len + 1;
   if (n_train < need || n_eval < need) {
-    // The smallest text whose both splits hold one window of seq + 1 bytes.
+    // The smallest corpus whose both splits hold one window of seq + 1 tokens.
     int64_t enough =
         std::max<int64_t>(need, static_cast<int64_t>(std::ceil(static_cast<double>(need) / eval_fraction)) - 2);
     while (enough - static_cast<int64_t>(static_cast<double>(enough) * eval_fraction) < need ||
@@ -46,14 +51,13 @@ TextDataset::TextDataset(std::string_view text, std::string origin, double eval_
       ++enough;
     }
     fail(
-        "{}: {} bytes is too short for --seq {}: its train split ({:.0f}%) holds {} bytes and its eval split (the "
-        "last {:.0f}%) {}, and each needs a window of {} (seq + 1); accepted: a text of at least {} bytes, or a "
-        "shorter --seq",
-        origin_, n, seq_len, 100 * (1 - eval_fraction), n_train, 100 * eval_fraction, n_eval, need, enough);
+        "{}: {} {} is too short for --seq {}: its train split ({:.0f}%) holds {} and its eval split (the last "
+        "{:.0f}%) {}, and each needs a window of {} (seq + 1); accepted: at least {} {}, or a shorter --seq",
+        origin_, n, unit, seq_len, 100 * (1 - eval_fraction), n_train, 100 * eval_fraction, n_eval, need, enough,
+        unit);
   }
-  auto all = bytes_to_tokens(text);
-  train_ = all.narrow(0, 0, n_train).clone();
-  eval_ = all.narrow(0, n_train, n_eval).clone();
+  train_ = raw.narrow(0, 0, n_train * width).clone();
+  eval_ = raw.narrow(0, n_train * width, n_eval * width).clone();
 }
 
 TextDataset TextDataset::load(const std::string& path, double eval_fraction, int64_t seq_len) {
@@ -67,13 +71,13 @@ Batch TextDataset::gather(const at::Tensor& split, const std::vector<int64_t>& o
   const uint8_t* src = split.data_ptr<uint8_t>();
   int64_t* dst = windows.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    std::copy_n(src + offsets[r], seq_len_ + 1, dst + r * (seq_len_ + 1));  // widens to int64
+    for (int64_t i = 0; i <= seq_len_; ++i) dst[r * (seq_len_ + 1) + i] = token_at(src, width_, offsets[r] + i);
   }
   return {windows.narrow(1, 0, seq_len_), windows.narrow(1, 1, seq_len_)};
 }
 
 Batch TextDataset::train_batch(uint64_t seed, int64_t step, int64_t first_row, int64_t rows) const {
-  const auto span = static_cast<uint64_t>(train_.numel() - seq_len_);  // valid starts: [0, span)
+  const auto span = static_cast<uint64_t>(train_tokens() - seq_len_);  // valid starts: [0, span)
   std::vector<int64_t> offsets(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
     const uint64_t key =
@@ -84,7 +88,7 @@ Batch TextDataset::train_batch(uint64_t seed, int64_t step, int64_t first_row, i
 }
 
 std::vector<Batch> TextDataset::eval_batches(int64_t rows, int64_t max_rows) const {
-  const int64_t available = (eval_.numel() - 1) / seq_len_;
+  const int64_t available = (eval_tokens() - 1) / seq_len_;
   const int64_t total = std::min(available, max_rows);
   std::vector<Batch> out;
   for (int64_t first = 0; first < total; first += rows) {

@@ -1,8 +1,9 @@
-// TextDataset — a text corpus as byte tokens, split into train and held-out eval, with batches that
-// are a pure function of (seed, step, row).
+// TextDataset — a corpus of tokens, split into train and held-out eval, with batches that are a pure
+// function of (seed, step, row).
 //
-// Tokenizer: byte-level (token = byte value, vocabulary 256), so any text file works and no
-// vocabulary file is needed. Train row r of step s starts at an offset drawn from a counter-based
+// Tokens: a text's bytes (token = byte value, vocabulary 256), so that any text file works and no
+// vocabulary file is needed; or the model's own ids from a token file (data/token_file.h), held as
+// the file stores them (2 or 4 bytes each). Train row r of step s starts at an offset drawn from a counter-based
 // hash of (seed, s, r): the data a step sees does not depend on how its global batch is split into
 // micro-batches, nor on what ran before — which makes resume and OOM re-splitting exact.
 #pragma once
@@ -29,6 +30,8 @@ class TextDataset {
   // `eval_fraction` of the text (its tail) is held out. Throws Error when either split is too short
   // for one window of `seq_len + 1` bytes.
   TextDataset(std::string_view text, std::string origin, double eval_fraction, int64_t seq_len);
+  // Ids stored `width` bytes each, little-endian, in a uint8 tensor (TokenIds::raw).
+  TextDataset(const at::Tensor& raw, int width, std::string origin, double eval_fraction, int64_t seq_len);
 
   // The bundled corpus (data/corpus.txt), or the file at `path` when it is not empty.
   static TextDataset load(const std::string& path, double eval_fraction, int64_t seq_len);
@@ -39,16 +42,18 @@ class TextDataset {
   // Up to `max_rows` non-overlapping windows of the eval split, in order, in batches of `rows`.
   std::vector<Batch> eval_batches(int64_t rows, int64_t max_rows) const;
 
-  int64_t train_tokens() const { return train_.numel(); }
-  int64_t eval_tokens() const { return eval_.numel(); }
+  int64_t train_tokens() const { return train_.numel() / width_; }
+  int64_t eval_tokens() const { return eval_.numel() / width_; }
+  int width() const { return width_; }  // bytes per token as held
   int64_t seq_len() const { return seq_len_; }
   const std::string& origin() const { return origin_; }
 
  private:
   Batch gather(const at::Tensor& split, const std::vector<int64_t>& offsets) const;
 
-  at::Tensor train_;  // uint8 tokens
+  at::Tensor train_;  // uint8: the tokens' bytes, width_ each
   at::Tensor eval_;
+  int width_ = 1;
   int64_t seq_len_;
   std::string origin_;
 };

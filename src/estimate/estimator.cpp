@@ -7,6 +7,7 @@
 
 #include "config/run_config.h"
 #include "data/embedded.h"
+#include "data/token_file.h"
 #include "device/device.h"
 #include "estimate/step_replay.h"
 #include "util/error.h"
@@ -148,7 +149,13 @@ TrainSpec train_spec(const RunConfig& cfg) {
   s.world = world_size_of(cfg);
   // An estimate is for before the GPU is rented: --device cuda needs none here.
   s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
-  s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);
+  if (!s.cuda && !cfg.data_tokens.empty()) {
+    const TokenFileInfo info = inspect_token_file(cfg.data_tokens);
+    s.dataset_bytes = info.tokens * info.width;
+    s.dataset_width = info.width;
+  } else {
+    s.dataset_bytes = s.cuda ? 0 : corpus_bytes(cfg.data);
+  }
   if (s.cuda || cfg.allocator == AllocatorKind::caching) {
     const std::string settings = cfg.allocator_conf.empty() ? allocator_config_from_environment() : cfg.allocator_conf;
     s.caching = parse_allocator_config(

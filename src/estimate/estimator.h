@@ -34,7 +34,8 @@ namespace headroom {
 // the run's configuration and the plan), and where it runs.
 struct TrainSpec : StepSettings {
   bool cuda = false;
-  int64_t dataset_bytes = 0;  // cpu: the corpus, held in host memory as one byte per token
+  int64_t dataset_bytes = 0;  // cpu: the corpus, held in host memory as its tokens' bytes
+  int dataset_width = 1;      // bytes per token: 1 (a text's bytes), 2 or 4 (a token file's ids)
   // A caching allocator's settings (cuda; cpu with --allocator caching): reserved memory is
   // predicted by replaying the step through its policy (estimate/reserved.h). nullopt: not predicted.
   std::optional<AllocatorConfig> caching;

@@ -51,8 +51,9 @@ void StepReplay::setup() {
 // (10% held out), then the whole freed. Live bytes end where they began; a caching allocator's
 // blocks do not.
 void StepReplay::load_corpus() {
-  const int lbl = mem_.label("dataset", Category::other, "the corpus in host memory, 1 B per token");
-  const int64_t n = s_.dataset_bytes, held_out = static_cast<int64_t>(static_cast<double>(n) * 0.1);
+  const int lbl = mem_.label("dataset", Category::other, "the corpus in host memory, its tokens' bytes");
+  const int64_t n = s_.dataset_bytes, w = s_.dataset_width;
+  const int64_t held_out = static_cast<int64_t>(static_cast<double>(n / w) * 0.1) * w;
   Ref all = mem_.allocate(n, lbl);
   dataset_ = mem_.allocate(n - held_out, lbl);
   dataset_eval_ = mem_.allocate(held_out, lbl);

@@ -13,6 +13,7 @@
 
 #include "train/safetensors.h"
 #include "util/error.h"
+#include "util/atomic_file.h"
 #include "util/files.h"
 
 namespace headroom {
@@ -138,10 +139,17 @@ std::vector<std::pair<std::string, at::Tensor>> headroom_tensors(const std::stri
   return out;
 }
 
-void load_hf_weights(const std::string& dir, CausalLM& model, const std::string& what) {
+namespace {
+
+// The checkpoint's files: model.safetensors, or the shards its index names.
+std::vector<std::string> checkpoint_files(const std::string& dir, const std::string& what) {
   namespace fs = std::filesystem;
   const fs::path root(dir);
-  // The files and which tensors each holds: one file, or the shards an index names.
+  if (!fs::is_directory(root)) {
+    fail("{} '{}': not a directory; accepted: a Hugging Face checkpoint directory (config.json and "
+         "model.safetensors, or model.safetensors.index.json and its shards)",
+         what, dir);
+  }
   std::vector<std::string> files;
   if (fs::exists(root / "model.safetensors.index.json")) {
     const auto index = nlohmann::json::parse(
@@ -164,24 +172,43 @@ void load_hf_weights(const std::string& dir, CausalLM& model, const std::string&
          "with safe_serialization, the default)",
          what, dir);
   }
+  return files;
+}
 
+at::ScalarType scalar_type_of(const std::string& dtype) {
+  static const std::map<std::string, at::ScalarType> types = {
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16}, {"I64", at::kLong},
+      {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},   {"U8", at::kByte},       {"BOOL", at::kBool}};
+  const auto it = types.find(dtype);
+  return it == types.end() ? at::kFloat : it->second;
+}
+
+}  // namespace
+
+void load_hf_weights(const std::string& dir, CausalLM& model, const std::string& what) {
+  const std::vector<std::string> files = checkpoint_files(dir, what);
   const ModelConfig& c = model.config();
   std::map<std::string, at::Tensor> params;
   for (const auto& p : model.parameters()) params.emplace(p.name, p.tensor);
-  // Everything is read and checked before any parameter changes.
-  std::map<std::string, at::Tensor> loaded;
+  auto mapped_of = [&](const std::string& file, const std::string& name, const at::Tensor& t) {
+    try {
+      return headroom_tensors(name, t, c);
+    } catch (const Error& err) {
+      fail("{} '{}': unexpected {}", what, file, err.what());
+    }
+  };
+  // First every name and shape is checked, from the headers alone (the mapping runs on meta
+  // tensors), so that a refused checkpoint leaves the model unchanged; then each tensor is read,
+  // converted and copied in turn, so that no more than one of them is in memory beside the model.
+  std::vector<SafetensorsFile> opened;
+  std::set<std::string> covered;
   for (const std::string& file : files) {
-    const SafetensorsFile f = SafetensorsFile::open(file, what);
-    for (const SafetensorsEntry& e : f.entries()) {
+    opened.push_back(SafetensorsFile::open(file, what));
+    for (const SafetensorsEntry& e : opened.back().entries()) {
       if (c.tie_word_embeddings && strip_wrappers(e.name) == "lm_head.weight") continue;  // the embedding's
-      const at::Tensor raw = f.load(e.name);
-      Mapped mapped;
-      try {
-        mapped = headroom_tensors(e.name, raw, c);
-      } catch (const Error& err) {
-        fail("{} '{}': unexpected {}", what, file, err.what());
-      }
-      for (auto& [ours, tensor] : mapped) {
+      const at::Tensor shape_only =
+          at::empty(e.shape, at::TensorOptions().dtype(scalar_type_of(e.dtype)).device(at::kMeta));
+      for (auto& [ours, tensor] : mapped_of(file, e.name, shape_only)) {
         const auto it = params.find(ours);
         if (it == params.end()) {
           fail("{} '{}': unexpected tensor '{}' ({} here): this {} config has no such parameter (a checkpoint of "
@@ -193,19 +220,128 @@ void load_hf_weights(const std::string& dir, CausalLM& model, const std::string&
                fmt::format("{}", fmt::join(tensor.sizes(), "×")), ours,
                fmt::format("{}", fmt::join(it->second.sizes(), "×")));
         }
-        if (!loaded.emplace(ours, tensor).second) fail("{} '{}': tensor '{}' appears twice", what, dir, e.name);
+        if (!covered.insert(ours).second) fail("{} '{}': tensor '{}' appears twice", what, dir, e.name);
       }
     }
   }
   for (const auto& [name, tensor] : params) {
-    if (!loaded.count(name)) {
+    if (!covered.count(name)) {
       fail("{} '{}': missing tensor for the model's {} (checkpoint of another configuration, or an incomplete "
            "one?)",
            what, dir, name);
     }
   }
   const c10::NoGradGuard no_grad;
-  for (auto& [name, tensor] : params) tensor.copy_(loaded.at(name));
+  for (const SafetensorsFile& f : opened) {
+    for (const SafetensorsEntry& e : f.entries()) {
+      if (c.tie_word_embeddings && strip_wrappers(e.name) == "lm_head.weight") continue;
+      for (auto& [ours, tensor] : headroom_tensors(e.name, f.load(e.name), c)) params.at(ours).copy_(tensor);
+    }
+  }
+}
+
+namespace {
+
+// The Hugging Face name of one of headroom's parameters, and whether the tensor is stored
+// transposed (gpt2's Conv1D).
+std::pair<std::string, bool> hf_name(const std::string& ours, const ModelConfig& c) {
+  static const std::regex layer(R"(layers\.(\d+)\.(.+))");
+  std::smatch m;
+  const bool in_layer = std::regex_match(ours, m, layer);
+  const std::string n = in_layer ? m[1].str() : "";
+  const std::string rest = in_layer ? m[2].str() : ours;
+  if (c.family == Family::gpt2) {
+    if (ours == "embed_tokens.weight") return {"transformer.wte.weight", false};
+    if (ours == "embed_positions.weight") return {"transformer.wpe.weight", false};
+    if (ours == "lm_head.weight") return {"lm_head.weight", false};
+    if (!in_layer) return {"transformer.ln_f." + ours.substr(ours.rfind('.') + 1), false};
+    static const std::map<std::string, std::string> conv = {
+        {"input_norm", "ln_1"},       {"post_attention_norm", "ln_2"}, {"attn.qkv", "attn.c_attn"},
+        {"attn.o_proj", "attn.c_proj"}, {"mlp.up_proj", "mlp.c_fc"},   {"mlp.down_proj", "mlp.c_proj"}};
+    const std::string module = rest.substr(0, rest.rfind('.')), kind = rest.substr(rest.rfind('.') + 1);
+    return {fmt::format("transformer.h.{}.{}.{}", n, conv.at(module), kind),
+            kind == "weight" && module.find("norm") == std::string::npos};
+  }
+  if (c.family == Family::gpt_neox) {
+    if (ours == "embed_tokens.weight") return {"gpt_neox.embed_in.weight", false};
+    if (ours == "lm_head.weight") return {"embed_out.weight", false};
+    if (!in_layer) return {"gpt_neox.final_layer_norm." + ours.substr(ours.rfind('.') + 1), false};
+    static const std::map<std::string, std::string> conv = {
+        {"input_norm", "input_layernorm"},     {"post_attention_norm", "post_attention_layernorm"},
+        {"attn.qkv", "attention.query_key_value"}, {"attn.o_proj", "attention.dense"},
+        {"mlp.up_proj", "mlp.dense_h_to_4h"},  {"mlp.down_proj", "mlp.dense_4h_to_h"}};
+    const std::string module = rest.substr(0, rest.rfind('.')), kind = rest.substr(rest.rfind('.') + 1);
+    return {fmt::format("gpt_neox.layers.{}.{}.{}", n, conv.at(module), kind), false};
+  }
+  if (ours == "embed_tokens.weight") return {"model.embed_tokens.weight", false};
+  if (ours == "final_norm.weight") return {"model.norm.weight", false};
+  if (!in_layer) return {ours, false};  // lm_head.weight
+  const std::string pre = "model.layers." + n + ".";
+  const bool outer_norms = c.norm_placement != NormPlacement::pre;
+  if (rest == "input_norm.weight") return {pre + "input_layernorm.weight", false};
+  if (rest == "post_attention_norm.weight") {
+    return {pre + (outer_norms ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), false};
+  }
+  if (rest == "attention_out_norm.weight") return {pre + "post_attention_layernorm.weight", false};
+  if (rest == "mlp_out_norm.weight") return {pre + "post_feedforward_layernorm.weight", false};
+  if (rest.rfind("attn.qkv.", 0) == 0) return {pre + "self_attn.qkv_proj." + rest.substr(9), false};
+  if (rest.rfind("attn.", 0) == 0) return {pre + "self_attn." + rest.substr(5), false};
+  const bool mixtral = c.family == Family::mixtral;
+  if (rest == "mlp.router.weight") return {pre + (mixtral ? "block_sparse_moe.gate.weight" : "mlp.gate.weight"), false};
+  static const std::regex expert(R"(mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight)");
+  std::smatch e;
+  if (mixtral && std::regex_match(rest, e, expert)) {
+    const std::string w = e[2] == "gate_proj" ? "w1" : e[2] == "up_proj" ? "w3" : "w2";
+    return {fmt::format("{}block_sparse_moe.experts.{}.{}.weight", pre, e[1].str(), w), false};
+  }
+  return {pre + rest, false};
+}
+
+const char* hf_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return "float32";
+  }
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> hf_checkpoint_tensors(const CausalLM& model) {
+  const ModelConfig& c = model.config();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : model.parameters()) {
+    const auto [name, transposed] = hf_name(p.name, c);
+    out.emplace_back(name, transposed ? p.tensor.detach().t() : p.tensor.detach());
+  }
+  return out;
+}
+
+void check_hf_savable(const ModelConfig& config, const std::string& what) {
+  if (config.source.value("model_type", nlohmann::json()) == "gemma3") {
+    fail("{}: a multimodal gemma3 config (its text_config) saves only its language model, which transformers "
+         "loads as gemma3_text; accepted: --model with model_type gemma3_text",
+         what);
+  }
+}
+
+void save_hf_weights(const std::string& dir, const CausalLM& model, const std::string& what) {
+  namespace fs = std::filesystem;
+  const ModelConfig& c = model.config();
+  check_hf_savable(c, what);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir)) fail("{} '{}': cannot create the directory ({})", what, dir, ec.message());
+  const auto tensors = hf_checkpoint_tensors(model);
+  nlohmann::json config = c.source;
+  const at::ScalarType dtype = tensors.empty() ? at::kFloat : tensors.front().second.scalar_type();
+  config["dtype"] = hf_dtype_name(dtype);
+  if (config.contains("torch_dtype")) config["torch_dtype"] = hf_dtype_name(dtype);
+  // The weights first, then the config that makes the directory a checkpoint: a save cut short
+  // leaves no config.json beside the old weights.
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}}, what);
+  write_file_atomically((fs::path(dir) / "config.json").string(), config.dump(2) + "\n", what);
 }
 
 }  // namespace headroom

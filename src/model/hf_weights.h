@@ -24,6 +24,20 @@ std::vector<std::pair<std::string, at::Tensor>> headroom_tensors(const std::stri
                                                                  const ModelConfig& config);
 
 // Loads `dir` into `model`'s parameters; `what` names the directory's origin in errors (a flag).
+// Names and shapes are checked from the files' headers before any parameter changes; then the
+// tensors are read one at a time.
 void load_hf_weights(const std::string& dir, CausalLM& model, const std::string& what = "--weights");
+
+// The model's parameters under the names and layouts transformers' save_pretrained writes for its
+// family (the hub's: Mixtral's block_sparse_moe w1/w3/w2, Qwen3-MoE's experts one by one, gpt2's
+// Conv1D weights transposed), without a tied head.
+std::vector<std::pair<std::string, at::Tensor>> hf_checkpoint_tensors(const CausalLM& model);
+
+// Error when a checkpoint of `config` cannot be written (a multimodal gemma3's).
+void check_hf_savable(const ModelConfig& config, const std::string& what = "--save-weights");
+
+// Writes `model` into `dir` (created if need be) as a Hugging Face checkpoint: model.safetensors in
+// the weights' dtype and config.json (the model's config, its dtype that one), each atomically.
+void save_hf_weights(const std::string& dir, const CausalLM& model, const std::string& what = "--save-weights");
 
 }  // namespace headroom

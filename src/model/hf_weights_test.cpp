@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "testing/temp_dir.h"
@@ -105,7 +107,52 @@ TEST(HfWeights, RefusesMissingUnexpectedAndMisShapedTensorsNamingThem) {
   auto unknown = tensors;
   unknown.push_back({"model.vision_tower.weight", at::zeros({2})});
   EXPECT_THAT(refusal(write("unknown", unknown), model), HasSubstr("not a parameter of a llama model"));
-  EXPECT_THAT(refusal(dir.file("nothing-here"), model), HasSubstr("no model.safetensors"));
+  EXPECT_THAT(refusal(dir.file("nothing-here"), model), HasSubstr("not a directory"));
+  std::filesystem::create_directories(dir.file("empty"));
+  EXPECT_THAT(refusal(dir.file("empty"), model), HasSubstr("no model.safetensors"));
+}
+
+// Every family: what headroom writes is what transformers' save_pretrained wrote (its fixture), name
+// for name and bit for bit, tied heads left out as transformers leaves them out; and the directory
+// save_hf_weights writes loads back to the same model.
+TEST(HfWeights, EveryFamilySavesTheNamesAndTensorsTransformersSaves) {
+  const std::string root = std::string(HEADROOM_SOURCE_DIR) + "/src/model/testdata/hf";
+  int families = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(root)) {
+    const std::string dir = entry.path().string();
+    SCOPED_TRACE(dir);
+    std::ifstream in(dir + "/reference.json");
+    const auto ref = nlohmann::json::parse(in);
+    const ModelConfig config = load_model_config(ref["preset"], ref["overrides"].get<std::vector<std::string>>());
+    CausalLM model(config, at::TensorOptions().dtype(at::kFloat), 1);
+    load_hf_weights(dir + "/hf", model);
+    const SafetensorsFile theirs = SafetensorsFile::open(dir + "/hf/model.safetensors");
+    std::map<std::string, at::Tensor> ours;
+    for (auto& [name, t] : hf_checkpoint_tensors(model)) ours.emplace(name, t);
+    size_t expected = 0;
+    for (const auto& e : theirs.entries()) {
+      if (e.name.find("rotary_emb") != std::string::npos || e.name.find(".attn.bias") != std::string::npos) continue;
+      ++expected;
+      const auto it = ours.find(e.name);
+      ASSERT_NE(it, ours.end()) << "headroom does not write " << e.name;
+      EXPECT_TRUE(at::equal(it->second.contiguous(), theirs.load(e.name))) << e.name;
+    }
+    EXPECT_EQ(ours.size(), expected);
+
+    TempDir out;
+    save_hf_weights(out.file("saved"), model);
+    CausalLM back(config, at::TensorOptions().dtype(at::kFloat), 2);
+    load_hf_weights(out.file("saved"), back);
+    for (size_t i = 0; i < model.parameters().size(); ++i) {
+      EXPECT_TRUE(at::equal(back.parameters()[i].tensor, model.parameters()[i].tensor)) << model.parameters()[i].name;
+    }
+    const auto saved_config = nlohmann::json::parse(std::ifstream(out.file("saved/config.json")));
+    EXPECT_EQ(saved_config["model_type"], config.source["model_type"]);
+    EXPECT_EQ(saved_config["dtype"], "float32");
+    EXPECT_EQ(load_model_config(out.file("saved")).hidden_size, config.hidden_size);
+    ++families;
+  }
+  EXPECT_EQ(families, 11);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "model/hf_weights.h"
 #include "train/checkpoint.h"
 #include "train/metrics_log.h"
 #include "train/step.h"
@@ -103,6 +104,25 @@ class ProgressObserver final : public StepObserver {
   std::chrono::steady_clock::time_point last_print_{};
 };
 
+// --save-weights DIR: the trained weights as a Hugging Face checkpoint, at the end and when the run
+// is interrupted (rank 0; the other ranks hold the same weights).
+class SaveWeightsObserver : public StepObserver {
+ public:
+  explicit SaveWeightsObserver(std::string dir) : dir_(std::move(dir)) {}
+  void after_step(Run& run, StepRecord& rec, bool last) override {
+    if (last) save(run, rec);
+  }
+  void on_stop(Run& run, const StepRecord& last) override { save(run, last); }
+
+ private:
+  void save(Run& run, const StepRecord& rec) {
+    if (run.rank() != 0) return;
+    save_hf_weights(dir_, *run.model);
+    if (!run.config.quiet) fmt::print(stderr, "saved the weights of step {} to {} (Hugging Face format)\n", rec.step, dir_);
+  }
+  std::string dir_;
+};
+
 }  // namespace
 
 std::string rank_file(const std::string& path, int rank) {
@@ -133,6 +153,7 @@ std::vector<std::unique_ptr<StepObserver>> make_observers(const Run& run, int64_
   const std::string checkpoint_dir = !c.checkpoint.empty() ? c.checkpoint : c.resume;
   if (!checkpoint_dir.empty()) out.push_back(checkpoint_observer(checkpoint_dir, c.checkpoint_every));
   if (c.eval_rows > 0) out.push_back(eval_observer(c.eval_every));
+  if (!c.save_weights.empty()) out.push_back(std::make_unique<SaveWeightsObserver>(c.save_weights));
   if (!c.metrics.empty()) out.push_back(metrics_observer(rank_file(c.metrics, run.rank()), resumed_at));
   if (!c.quiet && run.rank() == 0) out.push_back(progress_observer(start, c.end_step(), c.steps));
   return out;

@@ -4,10 +4,14 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <filesystem>
+
 #include "device/cuda_adapter.h"
 #include "device/device.h"
 #include "memory/allocator_config.h"
+#include "data/token_file.h"
 #include "memory/budget_allocator.h"
+#include "model/hf_weights.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/size.h"
@@ -91,18 +95,63 @@ void check_allocator_options(const RunConfig& cfg, const c10::Device& device) {
     fail("--inject-oom works on --device cpu only (it uses the budget allocator)");
 }
 
-// The model's config, checked against the byte tokenizer and --seq, then the data.
+// The model's config, checked against --seq, then the data: token ids within its vocabulary, or
+// bytes, which need a vocabulary of 256 or more.
 void load_model_config_and_data(Run& run, const RunConfig& cfg) {
   run.model_config = load_model_config(cfg.model, cfg.overrides);
   const ModelConfig& mc = run.model_config;
+  if (cfg.seq > mc.max_positions) {
+    fail("--seq {} exceeds {}'s max_position_embeddings {}", cfg.seq, mc.name, mc.max_positions);
+  }
+  if (!cfg.data_tokens.empty()) {
+    const TokenFileInfo info = inspect_token_file(cfg.data_tokens);
+    if (info.vocab_size > mc.vocab_size) {
+      fail("--data-tokens '{}': tokenised for a vocabulary of {}, and {} has {}; accepted: ids made by this model's "
+           "tokenizer",
+           info.path, info.vocab_size, mc.name, mc.vocab_size);
+    }
+    const TokenIds ids = read_token_ids(info);
+    if (ids.max_id >= mc.vocab_size) {
+      fail("--data-tokens '{}': id {} at position {} is outside {}'s vocabulary of {}; accepted: ids made by this "
+           "model's tokenizer",
+           info.path, ids.max_id, ids.max_at, mc.name, mc.vocab_size);
+    }
+    run.data.emplace(ids.raw, info.width, info.path, 0.1, cfg.seq);
+    return;
+  }
   if (mc.vocab_size < kByteVocabulary) {
     fail("{}: vocab_size {} is smaller than the byte tokenizer's {}; set --set vocab_size=256 or more", mc.name,
          mc.vocab_size, kByteVocabulary);
   }
-  if (cfg.seq > mc.max_positions) {
-    fail("--seq {} exceeds {}'s max_position_embeddings {}", cfg.seq, mc.name, mc.max_positions);
-  }
   run.data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
+}
+
+// --weights and --save-weights: what this run can honour, checked before anything trains.
+void check_weights_options(const RunConfig& cfg, const Run& run) {
+  const bool sliced = run.comm && cfg.shard == ShardLevel::full;
+  if (sliced && !cfg.weights.empty()) {
+    fail("--weights with --shard full: not supported yet (each rank would need the whole checkpoint while it "
+         "slices); accepted: --shard gradients or optimizer");
+  }
+  if (sliced && !cfg.save_weights.empty()) {
+    fail("--save-weights with --shard full: not supported yet; accepted: --shard gradients or optimizer, or "
+         "--checkpoint (which saves the slices)");
+  }
+  if (cfg.save_weights.empty()) return;
+  check_hf_savable(run.model_config);
+  namespace fs = std::filesystem;
+  const fs::path out = fs::absolute(cfg.save_weights).lexically_normal();
+  if (!cfg.weights.empty() && out == fs::absolute(cfg.weights).lexically_normal()) {
+    fail("--save-weights '{}' is the --weights directory; accepted: another directory (the base checkpoint is kept)",
+         cfg.save_weights);
+  }
+  if (fs::exists(out) && !fs::is_directory(out)) {
+    fail("--save-weights '{}': exists and is not a directory", cfg.save_weights);
+  }
+  const fs::path parent = out.parent_path();
+  if (!fs::exists(out) && !fs::is_directory(parent)) {
+    fail("--save-weights '{}': its parent '{}' is not a directory", cfg.save_weights, parent.string());
+  }
 }
 
 // Weights that cannot fit the device at all are refused before a byte is allocated (an allocation
@@ -130,6 +179,7 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
   }
   run.model =
       std::make_unique<CausalLM>(run.model_config, at::TensorOptions().dtype(dtype).device(run.device), cfg.seed, keep);
+  if (!cfg.weights.empty()) load_hf_weights(cfg.weights, *run.model);
   return slices;
 }
 
@@ -215,6 +265,7 @@ MadeRun make_run(const RunConfig& cfg) {
     run->comm = std::make_unique<Communicator>(*placement.world, device, std::chrono::seconds(cfg.dist_timeout));
   }
   load_model_config_and_data(*run, cfg);
+  check_weights_options(cfg, *run);
 
   const c10::ScalarType dtype = parameter_dtype(cfg.precision);
   refuse_weights_beyond_device(run->model_config, dtype, device);
