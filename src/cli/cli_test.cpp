@@ -150,6 +150,11 @@ TEST(Cli, BadInputThatOnceMisledNowSaysWhatIsAccepted) {
                      "33 bytes is too short for --seq 32: its train split (90%) holds 30 and its eval split (the "
                      "last 10%) 3, and each needs a window of 33 (seq + 1); accepted: at least 330 bytes");
   expect_usage_error("train --data /dev/zero", "'/dev/zero' is not a regular file");
+  expect_usage_error("train --weights /no/such/checkpoint", "--weights '/no/such/checkpoint': not a directory");
+  expect_usage_error("train --data-tokens " + dir.file("33.txt"), "shorter than llm.c's 1024-byte header");
+  expect_usage_error("train --data-tokens uint32:" + dir.file("33.txt"), "33 bytes is not a whole number of uint32 ids");
+  expect_usage_error("train --data x.txt --data-tokens y.bin", "--data and --data-tokens both given");
+  expect_usage_error("estimate --model " + dir.path(), "a directory without a config.json");
   expect_usage_error("train --config /dev/urandom", "'/dev/urandom' is not a regular file");
   expect_usage_error("train --steps 4 --warmup 10", "--warmup 10 is longer than --steps 4");
   expect_usage_error("train --steps 4 --inject-oom 999:1", "--inject-oom 999:1: step 999 never runs");

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <type_traits>
 
 #include "memory/allocator_config.h"
@@ -117,7 +118,7 @@ const std::vector<RunField>& run_fields() {
       text("data-tokens",
            "pre-tokenised training ids instead of --data: an llm.c .bin (256 int32 header: 20240520, version 1 "
            "uint16 / 2 uint32, count, vocabulary size or 0), or uint16:FILE / uint32:FILE for a headerless one "
-           "(nanoGPT's); tools/tokenize.py writes one with the model's tokenizer",
+           "(nanoGPT's); tools/tokenize_corpus.py writes one with the model's tokenizer",
            &RunConfig::data_tokens),
       {"weights", Kind::text,
        "start from this Hugging Face checkpoint directory (model.safetensors, or its index and shards); --model "
@@ -492,6 +493,11 @@ void validate(const RunConfig& c) {
   }
   if (c.stop_at > 0 && c.checkpoint.empty() && c.resume.empty()) {
     fail("--stop-at needs --checkpoint DIR (it saves the state to resume from)");
+  }
+  if (!c.weights.empty() && !std::filesystem::is_directory(c.weights)) {
+    fail("--weights '{}': not a directory; accepted: a Hugging Face checkpoint directory (config.json and "
+         "model.safetensors, or model.safetensors.index.json and its shards)",
+         c.weights);
   }
   if (!c.data.empty() && !c.data_tokens.empty()) {
     fail("--data and --data-tokens both given; accepted: one (text as bytes, or pre-tokenised ids)");

@@ -3,7 +3,7 @@
 //
 // llm.c's layout: a header of 256 little-endian int32 — [0] the magic 20240520, [1] the version (1:
 // uint16 ids, 2: uint32 ids), [2] the number of ids, [3] the vocabulary size they were made for (0
-// when not given; llm.c leaves it 0, tools/tokenize.py fills it) — then the ids. nanoGPT's train.bin
+// when not given; llm.c leaves it 0, tools/tokenize_corpus.py fills it) — then the ids. nanoGPT's train.bin
 // has no header: name its width as "uint16:FILE" (or "uint32:FILE"). A file whose header lies (a
 // count the file does not hold, an unknown version) or holds an id outside its vocabulary is an
 // Error naming the first thing wrong.
