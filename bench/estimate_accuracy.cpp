@@ -34,9 +34,11 @@ int64_t state_bytes_per_param(const RunConfig& c) {
 
 // The corpus the trainer holds on cpu is added to both references, so that they are not blamed
 // for it.
+// With --finetune, gradients and state only for the trainable parameters (LoRA's adapters count as weights).
 int64_t model_states(const RunConfig& c, const ModelConfig& m) {
   const int64_t w = c.precision == Precision::bf16 ? 2 : 4;
-  return count_parameters(m) * (w + w + state_bytes_per_param(c)) + train_spec(c).dataset_bytes;
+  const Estimate e = estimate(m, train_spec(c));
+  return e.params * w + e.trainable_params * (w + state_bytes_per_param(c)) + train_spec(c).dataset_bytes;
 }
 
 int64_t korthikanti(const RunConfig& c, const ModelConfig& m) {
@@ -71,7 +73,7 @@ int main() {
     auto err = [&](int64_t predicted) {
       return static_cast<double>(predicted - measured) / static_cast<double>(measured);
     };
-    const double e1 = err(estimate(m, train_spec(cfg)).peak_bytes);
+    const double e1 = err(estimate(m, train_spec(cfg)).step_peak());
     const double e2 = err(model_states(cfg, m));
     const double e3 = err(korthikanti(cfg, m));
     ours.add(e1);

@@ -69,6 +69,7 @@ def estimate(
     world_size: int = 1,
     shard: str = "none",
     moe_routing: str = "balanced",
+    finetune: str = "full",
 ) -> Dict[str, Any]:
     """A training step's predicted peak memory per rank, without running it.
 
@@ -83,7 +84,10 @@ def estimate(
     script runs it; ``"headroom"`` that of headroom's own trainer (in place). ``moe_routing``, for a
     mixture of experts: ``"balanced"``, ``"worst"`` or a measured skew such as ``"1.8"``; the result's
     ``"experts"`` object says what was assumed and shows the experts' weights, gradients and
-    optimizer state apart.
+    optimizer state apart. ``finetune``: ``"full"``, ``"freeze:PATTERN[,PATTERN]"`` or
+    ``"lora:r=R[,alpha=A][,dropout=P][,targets=q,k,v,o,gate,up,down]"`` as ``--finetune``; the
+    result's ``model`` then has ``trainable_params`` (equal to peft's count for the same LoRA
+    settings) beside ``params``, and frozen weights and adapters are items of their own.
 
     **Any model**: ``estimate(model, inputs, loss_fn=None, optimizer=, precision=, checkpointing=,
     device=, accum=)`` with a ``torch.nn.Module`` (real, or built on the meta device) and what it is
@@ -99,9 +103,10 @@ def estimate(
         if inputs is None:
             raise ValueError("estimate(model, inputs): inputs are needed for a model: what it is called with "
                              "(a dict for model(**inputs), a tensor, or a tuple), at the micro-batch size")
-        if optimizer_impl != "torch" or attention != "flash" or world_size != 1 or shard != "none":
-            raise ValueError("estimate(model, ...): optimizer_impl, attention, world_size and shard apply to a config; "
-                             "a model's own attention and torch.optim's update are what its trace follows")
+        if optimizer_impl != "torch" or attention != "flash" or world_size != 1 or shard != "none" or finetune != "full":
+            raise ValueError("estimate(model, ...): optimizer_impl, attention, world_size, shard and finetune apply to a "
+                             "config; a model's own attention, torch.optim's update and which of its parameters "
+                             "require grad (a peft model's) are what its trace follows")
         return estimate_model(config, inputs, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                               checkpointing=checkpointing, device=device, accum=accum)
     if inputs is not None or loss_fn is not None:
@@ -109,7 +114,7 @@ def estimate(
     text, origin = _config_json(config)
     flags = _flags(batch=batch, seq=seq, accum=accum, precision=precision, optimizer=optimizer,
                    optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention, device=device, world_size=world_size,
-                   shard=shard, moe_routing=moe_routing)
+                   shard=shard, moe_routing=moe_routing, finetune=finetune)
     return json.loads(_core.estimate(text, origin, flags))
 
 
@@ -167,11 +172,13 @@ def plan(
     world_size: int = 1,
     margin: float = 0.05,
     allow_optimizer_change: bool = False,
+    finetune: str = "full",
 ) -> PlanResult:
     """The ways to train ``global_batch`` sequences per optimizer step within ``budget`` bytes per
     rank (less ``margin``), fastest first: micro-batch x accumulation, precision, checkpointing and
     attention (the optimizer only with ``allow_optimizer_change``; with ``world_size`` > 1 the shard
-    level too). Peaks come from :func:`estimate` (``optimizer_impl`` as there); step times from a
+    level too), keeping ``finetune`` (the fine-tuning method is yours to choose, not the planner's).
+    Peaks come from :func:`estimate` (``optimizer_impl`` as there); step times from a
     FLOPs cost model (the CLI's ``headroom plan`` can also calibrate it by timing its own steps).
 
     **Any model**: ``plan(model, inputs, global_batch=, budget=)`` (or ``inputs_fn(batch)`` when the
@@ -200,7 +207,7 @@ def plan(
             f.write(text)
         open(data_path, "w").close()
         flags = _flags(model=model_path, data=data_path, seq=seq, precision=precision, optimizer=optimizer,
-                       optimizer_impl=optimizer_impl, device=device, world_size=world_size)
+                       optimizer_impl=optimizer_impl, device=device, world_size=world_size, finetune=finetune)
         try:
             result = json.loads(_core.plan(flags, int(global_batch), parse_size(budget), float(margin),
                                            bool(allow_optimizer_change)))

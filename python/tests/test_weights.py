@@ -4,67 +4,26 @@ loads the checkpoint, fine-tunes it on those ids and saves it; transformers load
 saved, and its loss on the held-out windows headroom evaluated equals headroom's evaluation loss.
 Then the bad inputs: a truncated or lying checkpoint, a mis-shaped tensor and ids outside the
 vocabulary each end the run with one line and exit 2, and nothing is written."""
-import array
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
-
 transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
-SEQ, EVAL_ROWS, BATCH = 32, 8, 2
-BINARY = os.environ.get("HEADROOM_BINARY", os.path.join(ROOT, "build", "headroom"))
-CORPUS = os.path.join(ROOT, "data", "corpus.txt")
-
-# Small widths keep a CPU run to seconds; what is tested is that names, layouts and values survive
-# the round trip: tied (qwen3) and untied heads, gpt2's transposed Conv1D weights, Mixtral's experts.
-CONFIGS = {
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_hidden_layers=2, tie_word_embeddings=True),
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_head=4, n_layer=2, n_positions=128, bos_token_id=0, eos_token_id=0),
-    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                    num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
-                    tie_word_embeddings=False),
-}
+from finetune_helpers import (BATCH, CONFIGS, CORPUS, EVAL_ROWS, SEQ, held_out_loss, make_tokenizer,  # noqa: E402
+                              make_tokens, read_ids, run_headroom, save_base)
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    """A byte-level BPE tokenizer trained here on the corpus (no hub): 400 ids, an end-of-text among them."""
-    out = tmp_path_factory.mktemp("tokenizer")
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    bpe.train([CORPUS], trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    fast.save_pretrained(out)
-    return str(out)
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="module")
 def tokens(tokenizer_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("tokens") / "corpus.bin")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "tokenize_corpus.py"), "--tokenizer", tokenizer_dir,
-                           "--out", out, CORPUS], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    return out
-
-
-def read_ids(path):
-    with open(path, "rb") as f:
-        header = array.array("i")
-        header.frombytes(f.read(1024))
-        ids = array.array("H" if header[1] == 1 else "I")
-        ids.frombytes(f.read())
-    return header, torch.tensor(ids.tolist(), dtype=torch.long)
+    return make_tokens(tokenizer_dir, str(tmp_path_factory.mktemp("tokens") / "corpus.bin"))
 
 
 def test_the_tokenizer_tool_writes_an_llmc_file_of_the_tokenizers_ids(tokenizer_dir, tokens):
@@ -79,37 +38,9 @@ def test_the_tokenizer_tool_writes_an_llmc_file_of_the_tokenizers_ids(tokenizer_
     assert tok.decode(ids[:-1].tolist()) == text
 
 
-def run_headroom(*args):
-    return subprocess.run([BINARY, *args], capture_output=True, text=True, timeout=900)
-
-
-def save_base(family, tmp_path, tokenizer_dir):
-    cls = transformers.CONFIG_MAPPING[CONFIGS[family]["model_type"]]
-    fields = {k: v for k, v in CONFIGS[family].items() if k != "model_type"}
-    config = cls(vocab_size=448, **fields)
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
-    base = str(tmp_path / "base")
-    model.save_pretrained(base)
-    return base, model
-
-
-def held_out_loss(model, tokens):
-    """The loss over headroom's evaluation windows: the last 10% of the ids, EVAL_ROWS windows of SEQ."""
-    _, ids = read_ids(tokens)
-    n_eval = int(len(ids) * 0.1)
-    tail = ids[len(ids) - n_eval:]
-    rows = min((n_eval - 1) // SEQ, EVAL_ROWS)
-    windows = torch.stack([tail[r * SEQ:r * SEQ + SEQ + 1] for r in range(rows)])
-    with torch.no_grad():
-        logits = model(windows[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
-                                             windows[:, 1:].reshape(-1)).item()
-
-
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_transformers_loads_what_headroom_fine_tuned_and_agrees_on_its_loss(family, tmp_path, tokenizer_dir, tokens):
-    base, base_model = save_base(family, tmp_path, tokenizer_dir)
+    base, base_model = save_base(family, tmp_path / "base")
     tuned = str(tmp_path / "tuned")
     done = run_headroom("train", "--weights", base, "--data-tokens", tokens, "--steps", "4", "--batch", str(BATCH),
                         "--seq", str(SEQ), "--eval-rows", str(EVAL_ROWS), "--lr", "1e-3", "--device", "cpu",
@@ -130,7 +61,7 @@ def test_transformers_loads_what_headroom_fine_tuned_and_agrees_on_its_loss(fami
 
 
 def test_bad_checkpoints_and_ids_end_the_run_with_one_line_and_write_nothing(tmp_path, tokenizer_dir, tokens):
-    base, _ = save_base("qwen3", tmp_path, tokenizer_dir)
+    base, _ = save_base("qwen3", tmp_path / "base")
     with open(os.path.join(base, "model.safetensors"), "rb") as f:
         good = f.read()
     header_len = int.from_bytes(good[:8], "little")

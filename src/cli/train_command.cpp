@@ -92,6 +92,7 @@ int report_interruption(const TrainResult& result, const RunConfig& cfg, bool sp
 // The finished run's summary as --json prints it.
 nlohmann::json summary_json(const TrainSummary& s, const RunConfig& cfg) {
   nlohmann::json out = {{"params", s.params},
+                        {"trainable_params", s.trainable_params},
                         {"steps", s.steps},
                         {"final_loss", s.final_loss},
                         {"eval_loss", std::isnan(s.eval_loss) ? nlohmann::json() : nlohmann::json(s.eval_loss)},

@@ -132,6 +132,14 @@ const std::vector<RunField>& run_fields() {
            "at the end, write the trained weights as a Hugging Face checkpoint into this directory (config.json + "
            "model.safetensors, which transformers' from_pretrained loads)",
            &RunConfig::save_weights),
+      flag("merge-lora",
+           "--save-weights with --finetune lora: write the adapters merged into the weights (a full checkpoint) "
+           "instead of a peft adapter directory (adapter_config.json + adapter_model.safetensors)",
+           &RunConfig::merge_lora),
+      text("adapter",
+           "with --finetune lora: start the adapters from this peft LoRA adapter directory (its r and alpha must be "
+           "--finetune's)",
+           &RunConfig::adapter),
       integer("steps", "optimizer steps to train (total, counting resumed ones)", &RunConfig::steps),
       integer("batch", "micro-batch size in sequences", &RunConfig::batch),
       integer("accum", "micro-batches accumulated per optimizer step", &RunConfig::accum),
@@ -170,6 +178,12 @@ const std::vector<RunField>& run_fields() {
       choice("checkpointing", "activation checkpointing: none, selective (attention), full (every layer) or every:K",
              &RunConfig::checkpointing, &parse_checkpoint_policy,
              [](const CheckpointPolicy& k) { return k.name(); }),
+      choice("finetune",
+             "which parameters train: full (default), freeze:PATTERN[,PATTERN] (globs over headroom's or Hugging "
+             "Face's parameter names; those matching are frozen), or lora:r=R[,alpha=A][,dropout=P][,targets=q,k,v,o,"
+             "gate,up,down] (the base frozen, low-rank adapters trained, as peft's LoraConfig; defaults alpha 8, "
+             "dropout 0, targets q,v)",
+             &RunConfig::finetune, &parse_finetune, [](const Finetune& f) { return f.name(); }),
       choice("moe-routing",
              "estimate, plan, fit, doctor on a mixture of experts: the routing to assume: balanced (default), worst "
              "(top_k experts take every token) or the hottest expert's load relative to the balanced share, as "
@@ -498,6 +512,12 @@ void validate(const RunConfig& c) {
     fail("--weights '{}': not a directory; accepted: a Hugging Face checkpoint directory (config.json and "
          "model.safetensors, or model.safetensors.index.json and its shards)",
          c.weights);
+  }
+  if (c.merge_lora && (!c.finetune.is_lora() || c.save_weights.empty())) {
+    fail("--merge-lora needs --finetune lora:... and --save-weights DIR (it says how the adapters are saved)");
+  }
+  if (!c.adapter.empty() && !c.finetune.is_lora()) {
+    fail("--adapter needs --finetune lora:r=R,... with the adapter's rank, alpha and targets");
   }
   if (!c.data.empty() && !c.data_tokens.empty()) {
     fail("--data and --data-tokens both given; accepted: one (text as bytes, or pre-tokenised ids)");

@@ -57,6 +57,8 @@ struct RunConfig : StepSettings {
   // defaults to its config.json.
   std::string weights;
   std::string save_weights;  // at the end, the trained weights as a Hugging Face checkpoint here
+  bool merge_lora = false;   // --save-weights with LoRA: the adapters merged into the weights, not a peft adapter
+  std::string adapter;       // a peft LoRA adapter directory to start the adapters from
   int64_t steps = 200;
   double lr = 3e-3;
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio

@@ -2,8 +2,8 @@
 //
 // The micro-batch and its accumulation (lever 3), the sequence length, precision (4), activation
 // checkpointing (5), the attention path, the optimizer (8) and whose update of it an estimate
-// predicts, the data-parallel shard level (6), and the routing an estimate assumes for a mixture of
-// experts. What a run is told (RunConfig,
+// predicts, the data-parallel shard level (6), the routing an estimate assumes for a mixture of
+// experts, and which parameters train (frozen ones, LoRA adapters). What a run is told (RunConfig,
 // config/run_config.h), what the estimator predicts (TrainSpec, estimate/estimator.h) and what the
 // planner proposes (Plan, plan/planner.h) are each a StepSettings plus fields of their own, so a
 // setting of the step is written here once and passes between them whole (`a.step() = b.step()`),
@@ -14,6 +14,7 @@
 
 #include "config/attention_path.h"
 #include "config/checkpoint_policy.h"
+#include "config/finetune.h"
 #include "config/moe_routing.h"
 #include "config/optimizer_kind.h"
 #include "config/precision.h"
@@ -32,6 +33,7 @@ struct StepSettings {
   AttentionPath attention = AttentionPath::flash;
   ShardLevel shard = ShardLevel::none;
   MoeRouting routing;  // estimate, plan: the routing a mixture of experts is assumed to have
+  Finetune finetune;   // which parameters train: all, all but frozen ones, or LoRA adapters
 
   // This object as the step's settings alone, to assign or compare them whole.
   StepSettings& step() { return *this; }

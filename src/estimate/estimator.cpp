@@ -8,12 +8,19 @@
 #include "config/run_config.h"
 #include "data/embedded.h"
 #include "data/token_file.h"
+#include "model/hf_weights.h"
 #include "device/device.h"
 #include "estimate/step_replay.h"
 #include "util/error.h"
 #include "util/size.h"
 
 namespace headroom {
+
+int64_t Estimate::step_peak() const {
+  int64_t peak = 0;
+  for (Phase p : kStepPhases) peak = std::max(peak, phase_peaks[static_cast<size_t>(p)]);
+  return peak;
+}
 
 int64_t Estimate::step_memory() const {
   return peak_bytes - category(sim::Category::weights) - category(sim::Category::gradients) -
@@ -22,7 +29,7 @@ int64_t Estimate::step_memory() const {
 
 nlohmann::json Estimate::to_json() const {
   nlohmann::json j;
-  j["model"] = {{"name", model}, {"params", params}};
+  j["model"] = {{"name", model}, {"params", params}, {"trainable_params", trainable_params}};
   j["peak_bytes"] = peak_bytes;
   j["peak_phase"] = std::string(phase_name(peak_phase));
   nlohmann::json b = nlohmann::json::object();
@@ -127,6 +134,11 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
       }
     }
   }
+  if (spec.world > 1 && !spec.finetune.full()) {
+    fail("--finetune {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: "
+         "--finetune full with ranks, or one rank",
+         spec.finetune.name(), spec.world);
+  }
   replay::StepReplay step(model, spec);
   return step.run();
 }
@@ -149,6 +161,9 @@ TrainSpec train_spec(const RunConfig& cfg) {
   s.world = world_size_of(cfg);
   // An estimate is for before the GPU is rented: --device cuda needs none here.
   s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
+  if (!s.cuda && !cfg.weights.empty()) {
+    s.loaded_tensors = hf_load_sequence(cfg.weights, load_model_config(cfg.model, cfg.overrides));
+  }
   if (!s.cuda && !cfg.data_tokens.empty()) {
     const TokenFileInfo info = inspect_token_file(cfg.data_tokens);
     s.dataset_bytes = info.tokens * info.width;

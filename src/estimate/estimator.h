@@ -36,6 +36,9 @@ struct TrainSpec : StepSettings {
   bool cuda = false;
   int64_t dataset_bytes = 0;  // cpu: the corpus, held in host memory as its tokens' bytes
   int dataset_width = 1;      // bytes per token: 1 (a text's bytes), 2 or 4 (a token file's ids)
+  // cpu with --weights: the bytes of each checkpoint tensor read, in order (model/hf_weights.h); the
+  // base is not initialised then. Empty: every parameter is initialised from the seed.
+  std::vector<int64_t> loaded_tensors;
   // A caching allocator's settings (cuda; cpu with --allocator caching): reserved memory is
   // predicted by replaying the step through its policy (estimate/reserved.h). nullopt: not predicted.
   std::optional<AllocatorConfig> caching;
@@ -54,7 +57,8 @@ struct EstimateItem {
 
 struct Estimate {
   std::string model;
-  int64_t params = 0;
+  int64_t params = 0;            // LoRA's adapters included
+  int64_t trainable_params = 0;  // those with gradients and optimizer state (--finetune)
   int64_t peak_bytes = 0;
   Phase peak_phase = Phase::idle;
   std::array<int64_t, sim::kCategories> breakdown{};  // at the peak, by category
@@ -79,10 +83,13 @@ struct Estimate {
   std::optional<Experts> experts;
 
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
+  // The highest of the step's phases: peak_bytes unless building the model (its initialisation or
+  // load, in `idle`) went higher, which a LoRA step's small footprint can make it.
+  int64_t step_peak() const;
   // What the trainer's monitor counts as activations: everything but weights, gradients, optimizer
   // state and other (saved activations, weight copies, logits, loss, temporaries, allocator rounding).
   int64_t step_memory() const;
-  // The contract: {"model": {"name", "params"}, "peak_bytes", "peak_phase", "breakdown": {...}}, plus
+  // The contract: {"model": {"name", "params", "trainable_params"}, "peak_bytes", "peak_phase", "breakdown": {...}}, plus
   // "items" (name, category, bytes, formula) and "phases" (peak per phase).
   nlohmann::json to_json() const;
   std::string table() const;

@@ -32,8 +32,10 @@ LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
 
 void LayerReplay::construct_model() {
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
-  shapes_ =
-      std::make_unique<CausalLM>(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0);
+  shapes_ = std::make_unique<CausalLM>(
+      c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0, CausalLM::KeepParameter{},
+      s_.finetune);
+  const std::string w = fmt::format("{} B each", ew_);
   for (const auto& np : shapes_->parameters()) {
     if (params_.count(np.name) != 0) continue;  // a tied head repeats the embedding
     Param prm;
@@ -41,28 +43,52 @@ void LayerReplay::construct_model() {
     prm.cols = np.tensor.dim() == 2 ? np.tensor.size(1) : 0;
     prm.t.numel = np.tensor.numel();
     prm.t.elem = ew_;
-    // A mixture of experts' weights and gradients are shown apart from the dense ones.
+    // A mixture of experts' weights and gradients are shown apart from the dense ones, frozen
+    // weights (--finetune) apart from trained ones, and LoRA's adapters apart from both.
     const bool expert = np.name.find(".mlp.experts.") != std::string::npos;
+    const bool adapter = np.name.find(".lora_A.") != std::string::npos || np.name.find(".lora_B.") != std::string::npos;
+    const bool trains = np.tensor.requires_grad();
     if (expert && expert_weights_ < 0) {
-      const std::string w = fmt::format("{} B each", ew_);
       expert_weights_ = mem_.label("expert weights", Category::weights, "the experts' parameters × " + w);
       expert_grads_ = mem_.label("expert gradients", Category::gradients, "the experts' parameters × " + w);
     }
+    if (!trains && !expert && frozen_weights_ < 0) {
+      frozen_weights_ = mem_.label("frozen weights", Category::weights,
+                                   "parameters without gradients or optimizer state (--finetune) × " + w);
+    }
+    if (adapter && adapter_weights_ < 0) {
+      const std::string r = std::to_string(s_.finetune.lora.r);
+      adapter_weights_ = mem_.label("LoRA adapters", Category::weights,
+                                    "r·(in + out) per adapted projection, r = " + r + ", × " + w);
+      adapter_grads_ = mem_.label("LoRA gradients", Category::gradients, "the adapters' parameters × " + w);
+    }
+    const int weight_label = expert ? expert_weights_ : adapter ? adapter_weights_ : trains ? weights_ : frozen_weights_;
     // full: the parameter holds nothing between uses; the rank's slice is its weight (the gate's).
-    if (!gate_) prm.t.buf = mem_.allocate(prm.t.numel * ew_, expert ? expert_weights_ : weights_);
-    prm.t.slot = std::make_shared<sim::GradSlot>();
-    prm.t.slot->numel = prm.t.numel;
-    prm.t.slot->elem = ew_;
-    prm.t.slot->param_label = expert ? expert_grads_ : grads_;
+    if (!gate_) prm.t.buf = mem_.allocate(prm.t.numel * ew_, weight_label);
+    if (trains) {
+      prm.t.slot = std::make_shared<sim::GradSlot>();
+      prm.t.slot->numel = prm.t.numel;
+      prm.t.slot->elem = ew_;
+      prm.t.slot->param_label = expert ? expert_grads_ : adapter ? adapter_grads_ : grads_;
+    }
     params_.emplace(np.name, prm);
     order_.push_back(np.name);
   }
   // A tied head is the embedding used a second time: two gradients arrive for it per backward.
-  if (c_.tie_word_embeddings) params_.at("embed_tokens.weight").t.slot->uses = 2;
+  if (c_.tie_word_embeddings && params_.at("embed_tokens.weight").t.slot) {
+    params_.at("embed_tokens.weight").t.slot->uses = 2;
+  }
   // CausalLM initialises each parameter in a float32 copy, one at a time, in registration order:
   // nothing at the peak, but a caching allocator keeps the largest copy's segment.
   const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");
-  for (const auto& name : order_) Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
+  const bool loaded = !s_.loaded_tensors.empty();
+  for (const auto& name : order_) {
+    const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+    if (!loaded || adapter) Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
+  }
+  // --weights: then the checkpoint's tensors, read one at a time in their file's dtype.
+  const int read = mem_.label("checkpoint tensors", Category::temporaries, "--weights: one tensor at a time, as stored");
+  for (const int64_t bytes : s_.loaded_tensors) Ref tensor = mem_.allocate(bytes, read);
 }
 
 const Param& LayerReplay::p(const std::string& name) const {
@@ -76,6 +102,22 @@ const Param* LayerReplay::maybe(const std::string& name) const {
   return it == params_.end() ? nullptr : &it->second;
 }
 
+Tensor LayerReplay::project(const Tensor& x, const std::string& weight, const Param* bias, int label) {
+  Tensor y = linear(x, p(weight), bias, label);
+  const Param* a = maybe(lora_a_name(weight));
+  if (!a) return y;
+  // lora_project(): y + linear(linear(dropout(x), A), B) · scale, each a new tensor.
+  const int lbl = act("LoRA activations",
+                      "per adapter: its dropout mask (when set), x·Aᵀ (B·T·r), x·Aᵀ·Bᵀ and its scaled copy (B·T·out)");
+  const LoraSettings& lora = s_.finetune.lora;
+  Tensor in = dropout(x, lora.dropout, lbl);
+  Tensor h = linear(in, *a, nullptr, lbl);
+  in = Tensor{};
+  Tensor u = linear(h, p(lora_b_name(weight)), nullptr, lbl);
+  h = Tensor{};
+  return add(y, scale(u, lbl), label);
+}
+
 Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& rope) {
   const std::string pre = fmt::format("layers.{}.attn.", layer);
   const int64_t tokens = x.numel / c_.hidden_size;
@@ -85,7 +127,7 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
       act("attention q, k, v", "queries, keys and values (after rotary), B·T·(heads + 2·kv_heads)·head_dim");
   Tensor q, k, v;
   if (c_.fused_qkv) {
-    Tensor qkv = linear(x, p(pre + "qkv.weight"), maybe(pre + "qkv.bias"), qkv_lbl);
+    Tensor qkv = project(x, pre + "qkv.weight", maybe(pre + "qkv.bias"), qkv_lbl);
     q = g_->alias(qkv, tokens * qw);
     k = g_->alias(qkv, tokens * kw);
     v = g_->alias(qkv, tokens * kw);
@@ -93,9 +135,9 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
     g_->record({&q, &k, &v}, {},
                [this, qkv = meta(qkv)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(qkv)}; });
   } else {
-    q = linear(x, p(pre + "q_proj.weight"), maybe(pre + "q_proj.bias"), qkv_lbl);
-    k = linear(x, p(pre + "k_proj.weight"), maybe(pre + "k_proj.bias"), qkv_lbl);
-    v = linear(x, p(pre + "v_proj.weight"), maybe(pre + "v_proj.bias"), qkv_lbl);
+    q = project(x, pre + "q_proj.weight", maybe(pre + "q_proj.bias"), qkv_lbl);
+    k = project(x, pre + "k_proj.weight", maybe(pre + "k_proj.bias"), qkv_lbl);
+    v = project(x, pre + "v_proj.weight", maybe(pre + "v_proj.bias"), qkv_lbl);
   }
   if (c_.qk_norm != QkNorm::none) {
     // Per head or over the whole projection, the same kernel: the weight's width differs.
@@ -127,7 +169,7 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
   }
   q = k = v = Tensor{};
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
-  Tensor o = linear(y, p(pre + "o_proj.weight"), maybe(pre + "o_proj.bias"), res_lbl);
+  Tensor o = project(y, pre + "o_proj.weight", maybe(pre + "o_proj.bias"), res_lbl);
   return dropout(o, c_.resid_dropout, res_lbl);
 }
 
@@ -153,8 +195,7 @@ Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& x) {
   const bool relu = c_.activation == Activation::relu;
   Tensor h;
   if (c_.fused_gate_up) {
-    const Param& w = p(pre + "gate_up_proj.weight");
-    Tensor both = linear(x, w, nullptr, lbl);
+    Tensor both = project(x, pre + "gate_up_proj.weight", nullptr, lbl);
     const int64_t half = both.numel / 2;
     Tensor gate = g_->alias(both, half), up = g_->alias(both, half);
     // chunk's backward: the two gradients concatenated into one.
@@ -162,14 +203,14 @@ Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& x) {
                [this, both = meta(both)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(both)}; });
     h = mul(activation(gate, relu), up, lbl);
   } else if (c_.gated_mlp) {
-    Tensor gate = activation(linear(x, p(pre + "gate_proj.weight"), maybe(pre + "gate_proj.bias"), lbl), relu);
-    Tensor up = linear(x, p(pre + "up_proj.weight"), maybe(pre + "up_proj.bias"), lbl);
+    Tensor gate = activation(project(x, pre + "gate_proj.weight", maybe(pre + "gate_proj.bias"), lbl), relu);
+    Tensor up = project(x, pre + "up_proj.weight", maybe(pre + "up_proj.bias"), lbl);
     h = mul(gate, up, lbl);
   } else {
-    h = activation(linear(x, p(pre + "up_proj.weight"), maybe(pre + "up_proj.bias"), lbl), relu);
+    h = activation(project(x, pre + "up_proj.weight", maybe(pre + "up_proj.bias"), lbl), relu);
   }
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
-  Tensor d = linear(h, p(pre + "down_proj.weight"), maybe(pre + "down_proj.bias"), res_lbl);
+  Tensor d = project(h, pre + "down_proj.weight", maybe(pre + "down_proj.bias"), res_lbl);
   return dropout(d, c_.resid_dropout, res_lbl);
 }
 
@@ -262,7 +303,7 @@ Tensor LayerReplay::forward(int64_t rows) {
   if (c_.learned_positions) {
     const Param& pos = p("embed_positions.weight");
     Ref arange = mem_.allocate(t * 8, tmp_);
-    Tensor pe = make(t * h, ew_, tmp_);
+    Tensor pe = make(t * h, ew_, tmp_, pos.t.requires_grad());
     g_->record({&pe}, {}, [this, &pos](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(pos.t)}; });
     x = add(x, pe, res_lbl);
   }

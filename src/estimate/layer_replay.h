@@ -56,6 +56,8 @@ class LayerReplay : protected sim::Ops {
   int ew_;  // parameter bytes
   int weights_, grads_;
   int expert_weights_ = -1, expert_grads_ = -1;  // a mixture of experts' (labels made when there are experts)
+  int frozen_weights_ = -1;                      // --finetune: parameters without gradients
+  int adapter_weights_ = -1, adapter_grads_ = -1;  // LoRA's adapters
   std::map<std::string, sim::Param> params_;
   std::vector<std::string> order_;    // parameter names in registration order
   std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
@@ -65,6 +67,8 @@ class LayerReplay : protected sim::Ops {
   struct Rope {
     sim::Tensor cos, sin, local_cos, local_sin;
   };
+  // x through the projection whose weight is `weight`, and its LoRA adapter when it has one.
+  sim::Tensor project(const sim::Tensor& x, const std::string& weight, const sim::Param* bias, int label);
   sim::Tensor attention_block(int64_t layer, const sim::Tensor& x, const Rope& rope);
   sim::Tensor mlp_block(int64_t layer, const sim::Tensor& x);
   // One decoder layer; `selective`: its attention is checkpointed (the layer itself is not).

@@ -13,6 +13,7 @@ Tensor Ops::cast(const Tensor& x, int elem, int label) {
 
 Tensor Ops::weight_in(const Param& p) {
   if (!mixed_) return p.t;
+  if (!p.t.requires_grad()) return cast(p.t, 2, copies_);
   auto it = cache_->find(&p);
   if (it != cache_->end()) return it->second;
   Tensor copy = cast(p.t, 2, copies_);
@@ -25,8 +26,12 @@ Tensor Ops::linear(const Tensor& x, const Param& w, const Param* b, int label) {
   Tensor xi = mixed_ ? cast(x, 2, act("autocast activation copies", "2-byte copies of float32 matmul inputs")) : x;
   Tensor wi = weight_in(w);
   Tensor bi = b ? weight_in(*b) : Tensor{};
-  Tensor out = make(rows * w.rows, wi.elem, label);
-  g_->record({&out}, {xi.buf, wi.buf}, [this, xi = meta(xi), wi = meta(wi), bi = meta(bi), b](const std::vector<Ref>&) {
+  const bool weights_grad = wi.requires_grad() || bi.requires_grad();
+  Tensor out = make(rows * w.rows, wi.elem, label, xi.requires_grad() || weights_grad);
+  std::vector<Ref> saved;
+  if (wi.requires_grad()) saved.push_back(xi.buf);
+  if (xi.requires_grad()) saved.push_back(wi.buf);
+  g_->record({&out}, std::move(saved), [this, xi = meta(xi), wi = meta(wi), bi = meta(bi), b](const std::vector<Ref>&) {
     // The weight's gradient comes back through the transpose: a view, which an input
     // buffer cannot add into in place (it matters for a weight used twice: a tied head).
     Emit w = grad_to(wi);
@@ -119,7 +124,7 @@ Tensor Ops::rms_norm(const Tensor& in, const Param& w_in, bool plus_one) {
 Tensor Ops::layer_norm(const Tensor& x, const Param& w, const Param* b) {
   const int64_t rows = x.numel / w.t.numel;
   const int lbl = act("norm activations", "normalised output per norm, B·T·hidden, and mean and rstd per row");
-  Tensor out = make(x.numel, x.elem, lbl);
+  Tensor out = make(x.numel, x.elem, lbl, x.requires_grad() || w.t.requires_grad() || (b && b->t.requires_grad()));
   Ref mean = mem_.allocate(rows * x.elem, lbl), rstd = mem_.allocate(rows * x.elem, lbl);
   g_->record({&out}, {x.buf, mean, rstd}, [this, x = meta(x), w, b](const std::vector<Ref>&) {
     std::vector<Emit> e{grad_to(x), grad_to(w.t)};
@@ -131,7 +136,7 @@ Tensor Ops::layer_norm(const Tensor& x, const Param& w, const Param* b) {
 
 Tensor Ops::activation(const Tensor& x, bool saves_result) {
   const int lbl = act("MLP activations", "up/gate projections and activation outputs, B·T·intermediate each");
-  Tensor out = make(x.numel, x.elem, lbl);
+  Tensor out = make(x.numel, x.elem, lbl, x.requires_grad());
   g_->record({&out}, {saves_result ? out.buf : x.buf},
              [this, x = meta(x)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x)}; });
   return out;
@@ -153,7 +158,7 @@ Tensor Ops::rotary(const Tensor& x, int64_t heads, int64_t head_dim, int64_t rd,
   Tensor neg = make(hi.numel, x.elem, tmp_, hi.requires_grad());
   g_->record({&neg}, {}, [this, hi = meta(hi)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(hi)}; });
   Tensor lo = slice(rot, rows * heads * half);
-  Tensor rh = make(rot.numel, x.elem, tmp_, true);
+  Tensor rh = make(rot.numel, x.elem, tmp_, rot.requires_grad());
   g_->record({&rh}, {}, [neg = meta(neg), lo = meta(lo)](const std::vector<Ref>& in) {
     return std::vector<Emit>{pass_to(neg, in[0]), pass_to(lo, in[0])};
   });
@@ -163,7 +168,7 @@ Tensor Ops::rotary(const Tensor& x, int64_t heads, int64_t head_dim, int64_t rd,
   Tensor out = add(mul(rot, c, tmp_), mul(rh, s, tmp_), lbl);
   if (!partial) return out;
   Tensor pass = slice(x, rows * heads * (head_dim - rd));
-  Tensor joined = make(x.numel, x.elem, lbl);
+  Tensor joined = make(x.numel, x.elem, lbl, x.requires_grad());
   g_->record({&joined}, {}, [out = meta(out), pass = meta(pass)](const std::vector<Ref>& in) {
     return std::vector<Emit>{pass_to(out, in[0]), pass_to(pass, in[0])};
   });
@@ -179,7 +184,7 @@ Ops::Ops(bool mixed) : graph_(mem_), g_(&graph_), mixed_(mixed) {
 Tensor Ops::merge_heads(const Tensor& heads_out, int label) {
   // transpose(1, 2).reshape: a copy into [B, T, heads·head_dim]; its backward reshapes the
   // gradient back, which copies it too.
-  Tensor y = make(heads_out.numel, heads_out.elem, label);
+  Tensor y = make(heads_out.numel, heads_out.elem, label, heads_out.requires_grad());
   g_->record({&y}, {}, [this, heads_out = meta(heads_out)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(heads_out)};
   });
@@ -212,7 +217,8 @@ Tensor Ops::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, c
     mask =
         mem_.allocate(t * t * 4, act("attention masks", "seq × seq masks: boolean, or float32 for the fused kernel"));
   }
-  Tensor y = make(s.tokens() * qw, e, out_lbl);
+  const bool rg = q.requires_grad() || k.requires_grad() || v.requires_grad();
+  Tensor y = make(s.tokens() * qw, e, out_lbl, rg);
   Ref lse = mem_.allocate(s.batch * s.heads * t * 4, out_lbl);
   std::vector<Ref> saved{q.buf, k.buf, v.buf, y.buf, lse};
   if (mask) saved.push_back(mask);
@@ -223,7 +229,7 @@ Tensor Ops::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, c
   // projection, where transpose + reshape is a view; a contiguous [B, heads, T, hd] query makes the
   // reshape copy.
   if (!copies_output) return y;
-  Tensor copy = make(y.numel, e, out_lbl);
+  Tensor copy = make(y.numel, e, out_lbl, rg);
   g_->record({&copy}, {}, [y = meta(y)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(y, in[0])}; });
   return copy;
 }
@@ -240,16 +246,17 @@ Tensor Ops::math_fallback_attention(const Tensor& q, const Tensor& k, const Tens
   const int out_lbl = act("attention outputs", "attention output B·T·heads·head_dim, and its float32 log-sum-exp");
   const int lbl = act("attention scores", "B·heads·seq² per matrix kept: softmax, dropout mask and output");
   const int e = q.elem, ce = 4;
+  const bool rg = q.requires_grad() || k.requires_grad() || v.requires_grad();
   auto batched = [&](const Tensor& x) {
     if (s.batch == 1) return x;
-    Tensor c = make(x.numel, ce, qkv_lbl);
+    Tensor c = make(x.numel, ce, qkv_lbl, x.requires_grad());
     g_->record({&c}, {}, [x = meta(x)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(x, in[0])}; });
     return c;
   };
   Tensor q32 = cast(q, ce, qkv_lbl), k32 = cast(k, ce, qkv_lbl), v32 = cast(v, ce, qkv_lbl);
   Tensor qs = batched(scale(q32, qkv_lbl)), ks = batched(scale(k32, qkv_lbl)), vc = batched(v32);
   q32 = k32 = v32 = Tensor{};
-  Tensor raw = make(scores, ce, lbl);
+  Tensor raw = make(scores, ce, lbl, qs.requires_grad() || ks.requires_grad());
   g_->record({&raw}, {qs.buf, ks.buf}, [this, qs = meta(qs), ks = meta(ks)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(qs), grad_to(ks)};
   });
@@ -257,7 +264,7 @@ Tensor Ops::math_fallback_attention(const Tensor& q, const Tensor& k, const Tens
   Ref causal = mem_.allocate(t * t * ce, tmp_);
   Tensor masked = view(raw);  // + the mask, in place
   raw = Tensor{};
-  Tensor probs = make(scores, ce, lbl);
+  Tensor probs = make(scores, ce, lbl, masked.requires_grad());
   g_->record({&probs}, {probs.buf},
              [this, masked = meta(masked)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(masked)}; });
   {
@@ -266,7 +273,7 @@ Tensor Ops::math_fallback_attention(const Tensor& q, const Tensor& k, const Tens
   }
   masked = Tensor{};
   probs = dropout(probs, dropout_p, lbl);
-  Tensor heads_out = make(s.tokens() * qw, ce, tmp_);
+  Tensor heads_out = make(s.tokens() * qw, ce, tmp_, rg);
   g_->record({&heads_out}, {probs.buf, vc.buf}, [this, probs = meta(probs), vc = meta(vc)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(probs), grad_to(vc)};
   });
@@ -284,20 +291,21 @@ Tensor Ops::explicit_attention(const Tensor& q, const Tensor& k, const Tensor& v
   const int out_lbl = act("attention outputs", "attention output B·T·heads·head_dim, and its float32 log-sum-exp");
   const int lbl = act("attention scores", "B·heads·seq² score and probability matrices kept for backward");
   const int e = q.elem;
+  const bool rg = q.requires_grad() || k.requires_grad() || v.requires_grad();
   const int64_t groups = s.heads / s.kv_heads;
   Tensor kk = k, vv = v;
   if (groups > 1) {
-    kk = make(s.tokens() * qw, e, qkv_lbl);
+    kk = make(s.tokens() * qw, e, qkv_lbl, k.requires_grad());
     g_->record({&kk}, {}, [this, k = meta(k)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(k)}; });
-    vv = make(s.tokens() * qw, e, qkv_lbl);
+    vv = make(s.tokens() * qw, e, qkv_lbl, v.requires_grad());
     g_->record({&vv}, {}, [this, v = meta(v)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(v)}; });
   }
   // matmul folds [B, heads] into one batch dimension: transposed views are copied first.
-  Tensor qc = make(q.numel, e, qkv_lbl);
+  Tensor qc = make(q.numel, e, qkv_lbl, q.requires_grad());
   g_->record({&qc}, {}, [q = meta(q)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(q, in[0])}; });
-  Tensor kc = make(kk.numel, e, qkv_lbl);
+  Tensor kc = make(kk.numel, e, qkv_lbl, kk.requires_grad());
   g_->record({&kc}, {}, [kk = meta(kk)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(kk, in[0])}; });
-  Tensor raw = make(scores, e, lbl);
+  Tensor raw = make(scores, e, lbl, qc.requires_grad() || kc.requires_grad());
   g_->record({&raw}, {qc.buf, kc.buf}, [this, qc = meta(qc), kc = meta(kc)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(qc), grad_to(kc)};
   });
@@ -307,13 +315,13 @@ Tensor Ops::explicit_attention(const Tensor& q, const Tensor& k, const Tensor& v
   Ref blocked = blocked_mask(t, windowed);
   Ref mask = mem_.allocate(t * t, act("attention masks", "boolean seq × seq masks"));
   blocked.reset();
-  Tensor masked = make(scores, e, lbl);
+  Tensor masked = make(scores, e, lbl, scaled.requires_grad());
   g_->record({&masked}, {mask},
              [this, scaled = meta(scaled)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(scaled)}; });
   scaled = Tensor{};
   // `scores` (the masked matrix) is a local of causal_attention: it lives until the function returns.
   Tensor in32 = cast(masked, 4, lbl);
-  Tensor probs32 = make(scores, 4, lbl);
+  Tensor probs32 = make(scores, 4, lbl, in32.requires_grad());
   g_->record({&probs32}, {probs32.buf},
              [this, in32 = meta(in32)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(in32)}; });
   in32 = Tensor{};
@@ -322,11 +330,11 @@ Tensor Ops::explicit_attention(const Tensor& q, const Tensor& k, const Tensor& v
   if (dropout_p > 0) probs = dropout(probs, dropout_p, lbl);
   Tensor vc = vv;
   if (groups == 1) {
-    vc = make(vv.numel, e, qkv_lbl);
+    vc = make(vv.numel, e, qkv_lbl, vv.requires_grad());
     g_->record({&vc}, {},
                [vv = meta(vv)](const std::vector<Ref>& in) { return std::vector<Emit>{pass_to(vv, in[0])}; });
   }
-  Tensor heads_out = make(s.tokens() * qw, e, tmp_);
+  Tensor heads_out = make(s.tokens() * qw, e, tmp_, rg);
   g_->record({&heads_out}, {probs.buf, vc.buf}, [this, probs = meta(probs), vc = meta(vc)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(probs), grad_to(vc)};
   });
@@ -351,13 +359,13 @@ Tensor Ops::mixture_of_experts(const Tensor& x, const Param& router, const std::
   const int e = logits.elem;
   // softmax(dtype=float32): a 2-byte input is converted first; softmax keeps its output.
   Tensor converted = cast(logits, 4, tmp_);
-  Tensor probs = make(rows * count, 4, logits_lbl);
+  Tensor probs = make(rows * count, 4, logits_lbl, converted.requires_grad());
   g_->record({&probs}, {probs.buf}, [this, in = meta(converted)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(in)};
   });
   converted = logits = Tensor{};
   // topk: the values, and the indices it keeps; backward scatters into zeros of the input's size.
-  Tensor top = make(picks, 4, topk_lbl);
+  Tensor top = make(picks, 4, topk_lbl, probs.requires_grad());
   Ref indices = mem_.allocate(picks * 8, topk_lbl);
   g_->record({&top}, {indices}, [this, probs = meta(probs)](const std::vector<Ref>&) {
     return std::vector<Emit>{grad_to(probs)};
@@ -382,7 +390,7 @@ Tensor Ops::mixture_of_experts(const Tensor& x, const Param& router, const std::
     // bincount of the choices (int64), as float32; the probabilities summed per expert.
     { Ref counted = mem_.allocate(count * 8, tmp_); }
     Ref assigned = mem_.allocate(count * 4, aux_label);
-    Tensor summed = make(count, 4, aux_label);
+    Tensor summed = make(count, 4, aux_label, probs.requires_grad());
     g_->record({&summed}, {}, [probs = meta(probs)](const std::vector<Ref>& in) {
       return std::vector<Emit>{Emit{probs.slot, in[0], true}};
     });
@@ -429,7 +437,9 @@ Tensor Ops::mixture_of_experts(const Tensor& x, const Param& router, const std::
   }
   pieces.clear();
   const int out_elem = outputs.empty() ? e : outputs.front().elem;
-  Tensor joined = make(picks * d, out_elem, scatter_lbl);
+  bool any_output_grad = false;
+  for (const Tensor& o : outputs) any_output_grad |= o.requires_grad();
+  Tensor joined = make(picks * d, out_elem, scatter_lbl, any_output_grad);
   std::vector<SlotPtr> slots;
   for (const Tensor& o : outputs) slots.push_back(o.slot);
   g_->record({&joined}, {}, [slots](const std::vector<Ref>& in) {
@@ -450,7 +460,7 @@ Tensor Ops::mixture_of_experts(const Tensor& x, const Param& router, const std::
 }
 
 Tensor Ops::embedding(const Param& table, int64_t tokens, int elem, int label) {
-  Tensor x = make(tokens * table.cols, elem, label);
+  Tensor x = make(tokens * table.cols, elem, label, table.t.requires_grad());
   g_->record({&x}, {}, [this, &table](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(table.t)}; });
   return x;
 }
@@ -459,11 +469,11 @@ Tensor Ops::token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets
   Tensor x32 = cast(logits, 4, mem_.label("logits", Category::logits));
   // The targets are a narrow of the batch's [B, T + 1] tokens: flattening them copies.
   Ref targets = mem_.allocate(tokens * 8, targets_label);
-  Tensor lsm = make(tokens * vocab, 4, loss_label);
+  Tensor lsm = make(tokens * vocab, 4, loss_label, x32.requires_grad());
   g_->record({&lsm}, {lsm.buf},
              [this, x32 = meta(x32)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x32)}; });
   x32 = logits = Tensor{};
-  Tensor loss = make(1, 4, loss_label);
+  Tensor loss = make(1, 4, loss_label, lsm.requires_grad());
   Ref total_weight = mem_.allocate(4, loss_label);
   g_->record({&loss}, {targets, total_weight},
              [this, lsm = meta(lsm)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(lsm)}; });

@@ -49,14 +49,19 @@ class Ops {
   Emit grad_to(const Tensor& x) { return x.slot ? Emit{x.slot, mem_.allocate(x.bytes(), tmp_)} : Emit{}; }
   static Emit pass_to(const Tensor& x, const Ref& g) { return Emit{x.slot, g}; }
 
-  Tensor make(int64_t numel, int elem, int label, bool rg = true) { return g_->make(numel, elem, label, rg); }
+  // `rg`: the output requires grad (an input does, and grad mode is on).
+  Tensor make(int64_t numel, int elem, int label, bool rg) { return g_->make(numel, elem, label, rg); }
 
   // x.to(elem): a copy when the dtype changes; backward casts the gradient back.
   Tensor cast(const Tensor& x, int elem, int label);
 
-  // What a matmul under autocast reads: a 2-byte copy of a parameter, cached for the autocast scope.
+  // What a matmul under autocast reads: a 2-byte copy of a parameter, cached for the autocast scope
+  // when the parameter requires grad (autocast caches only those); a frozen one's is made anew at
+  // each use, and lives as long as a backward node saves it.
   Tensor weight_in(const Param& p);
 
+  // x · wᵀ + b: saves the input only for the weight's gradient and the weight (autocast's copy) only
+  // for the input's, as autograd does; a frozen weight gets no gradient.
   Tensor linear(const Tensor& x, const Param& w, const Param* b, int label);
 
   // a + b (b may broadcast): the sum in the wider dtype; backward passes the gradient through,

@@ -53,7 +53,7 @@ std::vector<Ref> OptimizerReplay::make_state(const CausalLM& shapes) {
   {
     // Sharded: rank 0's slices of each parameter (the first ceil(n / N) elements), as the trainer's
     // DataParallel hands them to the optimizer.
-    std::vector<NamedTensor> owned = shapes.parameters();
+    std::vector<NamedTensor> owned = shapes.trainable_parameters();  // frozen ones have no state
     OptimizerOptions options;
     if (dp_.sharded()) {
       options.sharding.emplace();
@@ -92,8 +92,13 @@ void OptimizerReplay::clipping_temporaries() {
   const int lbl = mem_.label("optimizer temporaries", Category::temporaries,
                              "gradient-norm partials for clipping, per-matrix factor statistics");
   std::vector<Ref> norms;
-  for (size_t i = 0; i < order_.size(); ++i) norms.push_back(mem_.allocate(4, lbl));
-  Ref stacked = mem_.allocate(static_cast<int64_t>(order_.size()) * 4, lbl);
+  int64_t gradients = 0;
+  for (const auto& name : order_) {
+    if (!params_.at(name).t.requires_grad()) continue;
+    norms.push_back(mem_.allocate(4, lbl));
+    ++gradients;
+  }
+  Ref stacked = mem_.allocate(gradients * 4, lbl);
   Ref total = mem_.allocate(4, lbl);
   if (s_.precision == Precision::fp16_mixed) Ref found_inf = mem_.allocate(4, lbl);
 }
@@ -122,6 +127,7 @@ void OptimizerReplay::torch_update_temporaries() {
   std::vector<int64_t> tensors;
   for (size_t i = 0; i < order_.size(); ++i) {
     const std::string& name = order_[i];
+    if (!params_.at(name).t.requires_grad()) continue;  // frozen: no update
     const size_t at = name.find(".mlp.experts.");
     if (at == std::string::npos) {
       tensors.push_back(params_.at(name).t.numel);
@@ -167,6 +173,7 @@ void OptimizerReplay::torch_update_temporaries() {
 void OptimizerReplay::adafactor_temporaries() {
   const int lbl = mem_.label("optimizer temporaries", Category::temporaries);
   for (const auto& name : order_) {
+    if (!params_.at(name).t.requires_grad()) continue;
     const int64_t n = params_.at(name).t.numel, part = dp_.sharded() ? std::min(dp_.chunk(n), n) : n;
     Ref upcast = mem_.allocate(part * 4, lbl), result = mem_.allocate(part * 4, lbl);
   }

@@ -127,14 +127,16 @@ StepReplay::CategoryBytes StepReplay::optimizer_phase() {
 
 void StepReplay::zero_grad_phase() {
   mem_.set_phase(Phase::zero_grad);
-  for (auto& [name, prm] : params_) prm.t.slot->grad.reset();
+  for (auto& [name, prm] : params_)
+    if (prm.t.slot) prm.t.slot->grad.reset();
 }
 
 Estimate StepReplay::result(const CategoryBytes& at_update, size_t step_begin) const {
   Estimate e;
   e.cuda = s_.cuda;
   e.model = c_.name;
-  e.params = count_parameters(c_);
+  e.params = shapes_->num_parameters();
+  e.trainable_params = shapes_->num_trainable_parameters();
   const auto& peak = mem_.peak();
   e.peak_bytes = peak.bytes;
   e.peak_phase = peak.phase;

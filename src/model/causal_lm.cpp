@@ -4,11 +4,15 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <cmath>
 #include <memory>
 
 #include "device/storage_adapter.h"
 #include "model/activation.h"
+#include "model/hf_weights.h"
 #include "util/error.h"
 
 namespace headroom {
@@ -32,7 +36,14 @@ at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double 
   const bool is_bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
   const bool is_residual_proj =
       name.find("o_proj.weight") != std::string::npos || name.find("down_proj.weight") != std::string::npos;
-  if (is_norm && !is_bias) cpu.fill_(norm_weight);
+  const bool lora_a = name.find(".lora_A.") != std::string::npos;
+  const bool lora_b = name.find(".lora_B.") != std::string::npos;
+  if (lora_a) {
+    // peft: kaiming_uniform_(a=sqrt(5)), a bound of 1/sqrt(fan_in)
+    const double bound = 1.0 / std::sqrt(static_cast<double>(sizes[1]));
+    cpu.uniform_(-bound, bound, gen);
+  } else if (lora_b) cpu.zero_();
+  else if (is_norm && !is_bias) cpu.fill_(norm_weight);
   else if (is_bias) cpu.zero_();
   else cpu.normal_(0.0, is_residual_proj ? proj_std : std_dev, gen);
   return cpu;
@@ -41,12 +52,14 @@ at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double 
 // Initialise each parameter on the CPU from one generator, in registration order, then copy; with
 // `keep`, each parameter holds memory only while it is initialised and kept.
 void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t seed,
-                const CausalLM::KeepParameter& keep) {
+                const CausalLM::KeepParameter& keep, bool base) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const double std_dev = c.initializer_range;
   const double proj_std = c.family == Family::gpt2 ? std_dev / std::sqrt(2.0 * c.num_layers) : std_dev;
   c10::NoGradGuard no_grad;
   for (auto& [name, t] : params) {
+    const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+    if (!base && !adapter) continue;
     const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
     if (!keep) {
       t.copy_(cpu);
@@ -57,7 +70,6 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
     keep({name, t});
     release_storage(t);
   }
-  for (auto& [name, t] : params) t.requires_grad_(true);
 }
 
 // The rotary settings of windowed layers with a base of their own (gemma3): that base, unscaled.
@@ -73,8 +85,8 @@ ModelConfig local_rotary_config(const ModelConfig& c) {
 }  // namespace
 
 CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed,
-                   const KeepParameter& keep)
-    : config_(config), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
+                   const KeepParameter& keep, const Finetune& finetune, bool initialise_base)
+    : config_(config), finetune_(finetune), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
   const int64_t q_dim = c.num_heads * c.head_dim;
@@ -150,9 +162,90 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   final_norm_w_ = add_param("final_norm.weight", {d});
   if (layer_norm) final_norm_b_ = add_param("final_norm.bias", {d});
   head_ = c.tie_word_embeddings ? embed_ : add_param("lm_head.weight", {c.vocab_size, d});
+  if (finetune_.is_lora()) add_adapters();
 
-  if (options_.device().is_meta()) return;
-  initialise(params_, c, seed, keep);
+  if (!options_.device().is_meta()) initialise(params_, c, seed, keep, initialise_base);
+  mark_trainable();
+}
+
+void CausalLM::add_adapters() {
+  const LoraSettings& lora = finetune_.lora;
+  bool any = false;
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    Layer& l = layers_[static_cast<size_t>(i)];
+    for (const AdaptableModule& m : adaptable_modules(config_, i)) {
+      bool targeted = false;
+      for (Projection role : m.roles) targeted |= lora.targets_any({role});
+      if (!targeted) continue;
+      const std::string module = m.weight.substr(m.weight.find('.', 7) + 1);  // "attn.q_proj.weight"
+      LoraAdapter* slot = module == "attn.qkv.weight"          ? &l.lora_qkv
+                          : module == "attn.q_proj.weight"     ? &l.lora_q
+                          : module == "attn.k_proj.weight"     ? &l.lora_k
+                          : module == "attn.v_proj.weight"     ? &l.lora_v
+                          : module == "attn.o_proj.weight"     ? &l.lora_o
+                          : module == "mlp.gate_up_proj.weight" ? &l.lora_gate_up
+                          : module == "mlp.gate_proj.weight"   ? &l.lora_gate
+                          : module == "mlp.up_proj.weight"     ? &l.lora_up
+                                                               : &l.lora_down;
+      slot->a = add_param(lora_a_name(m.weight), {lora.r, m.in});
+      slot->b = add_param(lora_b_name(m.weight), {m.out, lora.r});
+      any = true;
+    }
+  }
+  if (!any) {
+    std::vector<std::string> roles;
+    for (Projection p : lora.targets) roles.emplace_back(projection_name(p));
+    fail("--finetune {}: {} has no projection of the targets {} to adapt; accepted: q, k, v, o (and gate, up, down "
+         "where the MLP is not a mixture of experts)",
+         finetune_.name(), config_.name, fmt::join(roles, ","));
+  }
+}
+
+void CausalLM::mark_trainable() {
+  std::vector<bool> used(finetune_.freeze.size(), false);
+  for (auto& [name, t] : params_) {
+    bool trains = true;
+    if (finetune_.is_lora()) {
+      trains = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+    } else if (finetune_.kind == Finetune::Kind::freeze) {
+      const std::string theirs = hf_parameter_name(name, config_);
+      for (size_t k = 0; k < finetune_.freeze.size(); ++k) {
+        if (glob_match(finetune_.freeze[k], name) || glob_match(finetune_.freeze[k], theirs)) {
+          trains = false;
+          used[k] = true;
+        }
+      }
+    }
+    t.requires_grad_(trains);
+  }
+  for (size_t k = 0; k < used.size(); ++k) {
+    if (!used[k]) {
+      fail("--finetune {}: '{}' matches no parameter of {}; patterns are globs over whole names, such as "
+           "'embed_tokens.weight', 'layers.0.*' or Hugging Face's 'model.layers.*.self_attn.*'",
+           finetune_.name(), finetune_.freeze[k], config_.name);
+    }
+  }
+}
+
+std::vector<CausalLM::Adapted> CausalLM::adapters() const {
+  std::vector<Adapted> out;
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    const Layer& l = layers_[static_cast<size_t>(i)];
+    for (const AdaptableModule& m : adaptable_modules(config_, i)) {
+      const std::string module = m.weight.substr(m.weight.find('.', 7) + 1);
+      const LoraAdapter& a = module == "attn.qkv.weight"          ? l.lora_qkv
+                             : module == "attn.q_proj.weight"     ? l.lora_q
+                             : module == "attn.k_proj.weight"     ? l.lora_k
+                             : module == "attn.v_proj.weight"     ? l.lora_v
+                             : module == "attn.o_proj.weight"     ? l.lora_o
+                             : module == "mlp.gate_up_proj.weight" ? l.lora_gate_up
+                             : module == "mlp.gate_proj.weight"   ? l.lora_gate
+                             : module == "mlp.up_proj.weight"     ? l.lora_up
+                                                                  : l.lora_down;
+      if (a.defined()) out.push_back({m.weight, a});
+    }
+  }
+  return out;
 }
 
 std::vector<at::Tensor> CausalLM::parameter_tensors() const {
@@ -179,6 +272,19 @@ int64_t CausalLM::num_parameters() const {
   return n;
 }
 
+int64_t CausalLM::num_trainable_parameters() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.tensor.requires_grad() ? p.tensor.numel() : 0;
+  return n;
+}
+
+std::vector<NamedTensor> CausalLM::trainable_parameters() const {
+  std::vector<NamedTensor> out;
+  for (const auto& p : params_)
+    if (p.tensor.requires_grad()) out.push_back(p);
+  return out;
+}
+
 at::Tensor CausalLM::norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const {
   const int64_t n = w.size(0);
   if (config_.norm == NormKind::layer_norm) return at::layer_norm(x, {n}, w, b, config_.norm_eps);
@@ -203,20 +309,20 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const Rotary
   at::Tensor q, k, v;
   if (c.fused_qkv && c.family == Family::gpt_neox) {
     // gpt_neox interleaves per head: [.., H, 3 * hd].
-    auto qkv = at::linear(x, l.qkv_w, l.qkv_b).view({b, t, c.num_heads, 3 * hd});
+    auto qkv = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, o).view({b, t, c.num_heads, 3 * hd});
     auto parts = qkv.chunk(3, -1);
     q = parts[0];
     k = parts[1];
     v = parts[2];
   } else if (c.fused_qkv) {
-    auto parts = at::linear(x, l.qkv_w, l.qkv_b).split_with_sizes({q_dim, kv_dim, kv_dim}, -1);
+    auto parts = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, o).split_with_sizes({q_dim, kv_dim, kv_dim}, -1);
     q = parts[0];
     k = parts[1];
     v = parts[2];
   } else {
-    q = at::linear(x, l.q_w, l.q_b);
-    k = at::linear(x, l.k_w, l.k_b);
-    v = at::linear(x, l.v_w, l.v_b);
+    q = project(x, l.q_w, l.q_b, l.lora_q, o);
+    k = project(x, l.k_w, l.k_b, l.lora_k, o);
+    v = project(x, l.v_w, l.v_b, l.lora_v, o);
   }
   if (c.qk_norm == QkNorm::whole) {  // olmo2: over the whole projection, before the heads split
     q = norm(q, l.q_norm_w, {});
@@ -240,7 +346,7 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const Rotary
   }
   auto y = causal_attention(q, k, v, o.attention, o.training ? c.attn_dropout : 0.0, l.window, c.attn_scale);
   y = y.transpose(1, 2).reshape({b, t, c.num_heads * hd});
-  return maybe_dropout(at::linear(y, l.o_w, l.o_b), c.resid_dropout, o.training);
+  return maybe_dropout(project(y, l.o_w, l.o_b, l.lora_o, o), c.resid_dropout, o.training);
 }
 
 at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const {
@@ -251,14 +357,14 @@ at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptio
   }
   at::Tensor h;
   if (c.fused_gate_up) {
-    auto gate_up = at::linear(x, l.gate_up_w).chunk(2, -1);
+    auto gate_up = project(x, l.gate_up_w, {}, l.lora_gate_up, o).chunk(2, -1);
     h = activate(gate_up[0], c.activation) * gate_up[1];
   } else if (c.gated_mlp) {
-    h = activate(at::linear(x, l.gate_w, l.gate_b), c.activation) * at::linear(x, l.up_w, l.up_b);
+    h = activate(project(x, l.gate_w, l.gate_b, l.lora_gate, o), c.activation) * project(x, l.up_w, l.up_b, l.lora_up, o);
   } else {
-    h = activate(at::linear(x, l.up_w, l.up_b), c.activation);
+    h = activate(project(x, l.up_w, l.up_b, l.lora_up, o), c.activation);
   }
-  return maybe_dropout(at::linear(h, l.down_w, l.down_b), c.resid_dropout, o.training);
+  return maybe_dropout(project(h, l.down_w, l.down_b, l.lora_down, o), c.resid_dropout, o.training);
 }
 
 at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o,

@@ -15,10 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "config/finetune.h"
 #include "config/model_config.h"
 #include "model/attention.h"
 #include "model/checkpointing.h"
 #include "model/experts.h"
+#include "model/lora.h"
 #include "model/parameter_gate.h"
 #include "model/rotary.h"
 #include "util/named_tensor.h"
@@ -40,8 +42,15 @@ class CausalLM {
   // `keep` (ZeRO-3): called with each parameter once initialised, in registration order, after which
   // the parameter lets its memory go (device/storage_adapter.h) — what the callback keeps of it is
   // all that remains, and at most one parameter is ever whole.
+  // `finetune` (config/finetune.h): which parameters require gradients; LoRA adds its adapters
+  // after the model's own parameters (A Kaiming-uniform, B zeros, from the same generator, so that
+  // the base weights are those of the same seed without LoRA). A freeze pattern that matches no
+  // parameter is an Error.
   using KeepParameter = std::function<void(const NamedTensor&)>;
-  CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed, const KeepParameter& keep = {});
+  // `initialise_base` false: the model's own parameters are left as allocated, for a checkpoint to
+  // fill (model/hf_weights.h); LoRA's adapters are still drawn.
+  CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed, const KeepParameter& keep = {},
+           const Finetune& finetune = {}, bool initialise_base = true);
 
   // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
   // dtype. `router`: a mixture of experts reports there the skew of its routing and, when its
@@ -53,6 +62,16 @@ class CausalLM {
   const std::vector<NamedTensor>& parameters() const { return params_; }
   std::vector<at::Tensor> parameter_tensors() const;
   int64_t num_parameters() const;
+  // The parameters that require gradients (all of them unless frozen or LoRA).
+  int64_t num_trainable_parameters() const;
+  std::vector<NamedTensor> trainable_parameters() const;
+  const Finetune& finetune() const { return finetune_; }
+  // LoRA: the adapted modules' weight names, each with its adapter's A and B.
+  struct Adapted {
+    std::string weight;
+    LoraAdapter adapter;
+  };
+  std::vector<Adapted> adapters() const;
   // The unit of each of parameters() (model/parameter_gate.h): 0 for the embeddings, the final norm
   // and the head, 1 + i for layer i.
   std::vector<int> parameter_units() const;
@@ -68,6 +87,8 @@ class CausalLM {
     at::Tensor up_w, up_b, gate_w, gate_b, down_w, down_b;
     at::Tensor gate_up_w;  // phi3
     at::Tensor router_w;   // a mixture of experts
+    // LoRA adapters of the projections (undefined when not adapted); a fused module's in its slot.
+    LoraAdapter lora_qkv, lora_q, lora_k, lora_v, lora_o, lora_gate_up, lora_gate, lora_up, lora_down;
     std::vector<Expert> experts;
     std::optional<int64_t> window;  // sliding attention window of this layer
     bool local_rope = false;        // rotates by the windowed layers' own base (gemma3)
@@ -77,6 +98,13 @@ class CausalLM {
   };
 
   at::Tensor add_param(const std::string& name, std::vector<int64_t> shape);
+  void add_adapters();
+  void mark_trainable();
+  // x through a projection and, when adapted, its LoRA adapter.
+  at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const LoraAdapter& lora,
+                     const ForwardOptions& o) const {
+    return lora_project(x, w, b, lora, finetune_.lora, o.training);
+  }
   at::Tensor norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
   at::Tensor attention(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o) const;
   at::Tensor mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const;
@@ -84,6 +112,7 @@ class CausalLM {
                    RouterStats* stats) const;
 
   ModelConfig config_;
+  Finetune finetune_;
   at::TensorOptions options_;
   bool release_ = false;  // parameters hold memory only while initialised (a KeepParameter was given)
   Rotary rotary_;

@@ -19,6 +19,10 @@
 namespace headroom {
 namespace {
 
+bool is_adapter(const std::string& name) {
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+}
+
 bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
@@ -185,32 +189,39 @@ at::ScalarType scalar_type_of(const std::string& dtype) {
 
 }  // namespace
 
-void load_hf_weights(const std::string& dir, CausalLM& model, const std::string& what) {
-  const std::vector<std::string> files = checkpoint_files(dir, what);
-  const ModelConfig& c = model.config();
-  std::map<std::string, at::Tensor> params;
-  for (const auto& p : model.parameters()) params.emplace(p.name, p.tensor);
-  auto mapped_of = [&](const std::string& file, const std::string& name, const at::Tensor& t) {
-    try {
-      return headroom_tensors(name, t, c);
-    } catch (const Error& err) {
-      fail("{} '{}': unexpected {}", what, file, err.what());
-    }
-  };
-  // First every name and shape is checked, from the headers alone (the mapping runs on meta
-  // tensors), so that a refused checkpoint leaves the model unchanged; then each tensor is read,
-  // converted and copied in turn, so that no more than one of them is in memory beside the model.
-  std::vector<SafetensorsFile> opened;
+namespace {
+
+// What a load reads: each file's tensors that map onto parameters, in file and offset order (a tied
+// head's copy and buffers are skipped unread). Each mapping is checked from the header alone (on
+// meta tensors) against `params` when given: a name it does not know, a parameter it lacks, a shape
+// that differs, or one tensor twice is an Error.
+struct LoadPlan {
+  std::vector<SafetensorsFile> files;
+  std::vector<std::pair<size_t, SafetensorsEntry>> reads;  // (file, entry)
+};
+
+LoadPlan plan_load(const std::string& dir, const ModelConfig& c, const std::map<std::string, at::Tensor>* params,
+                   const std::string& what) {
+  LoadPlan plan;
   std::set<std::string> covered;
-  for (const std::string& file : files) {
-    opened.push_back(SafetensorsFile::open(file, what));
-    for (const SafetensorsEntry& e : opened.back().entries()) {
+  for (const std::string& file : checkpoint_files(dir, what)) {
+    plan.files.push_back(SafetensorsFile::open(file, what));
+    for (const SafetensorsEntry& e : plan.files.back().entries()) {
       if (c.tie_word_embeddings && strip_wrappers(e.name) == "lm_head.weight") continue;  // the embedding's
       const at::Tensor shape_only =
           at::empty(e.shape, at::TensorOptions().dtype(scalar_type_of(e.dtype)).device(at::kMeta));
-      for (auto& [ours, tensor] : mapped_of(file, e.name, shape_only)) {
-        const auto it = params.find(ours);
-        if (it == params.end()) {
+      Mapped mapped;
+      try {
+        mapped = headroom_tensors(e.name, shape_only, c);
+      } catch (const Error& err) {
+        fail("{} '{}': unexpected {}", what, file, err.what());
+      }
+      if (mapped.empty()) continue;  // a buffer
+      plan.reads.emplace_back(plan.files.size() - 1, e);
+      if (!params) continue;
+      for (auto& [ours, tensor] : mapped) {
+        const auto it = params->find(ours);
+        if (it == params->end()) {
           fail("{} '{}': unexpected tensor '{}' ({} here): this {} config has no such parameter (a checkpoint of "
                "another configuration?)",
                what, file, e.name, ours, family_name(c.family));
@@ -224,20 +235,41 @@ void load_hf_weights(const std::string& dir, CausalLM& model, const std::string&
       }
     }
   }
-  for (const auto& [name, tensor] : params) {
-    if (!covered.count(name)) {
-      fail("{} '{}': missing tensor for the model's {} (checkpoint of another configuration, or an incomplete "
-           "one?)",
-           what, dir, name);
+  if (params) {
+    for (const auto& [name, tensor] : *params) {
+      if (!covered.count(name)) {
+        fail("{} '{}': missing tensor for the model's {} (checkpoint of another configuration, or an incomplete "
+             "one?)",
+             what, dir, name);
+      }
     }
   }
+  return plan;
+}
+
+}  // namespace
+
+void load_hf_weights(const std::string& dir, CausalLM& model, const std::string& what) {
+  const ModelConfig& c = model.config();
+  std::map<std::string, at::Tensor> params;
+  for (const auto& p : model.parameters()) {
+    if (!is_adapter(p.name)) params.emplace(p.name, p.tensor);  // LoRA's come from --adapter, or start anew
+  }
+  // Everything is checked before any parameter changes; then each tensor is read, converted and
+  // copied in turn, so that no more than one of them is in memory beside the model.
+  const LoadPlan plan = plan_load(dir, c, &params, what);
   const c10::NoGradGuard no_grad;
-  for (const SafetensorsFile& f : opened) {
-    for (const SafetensorsEntry& e : f.entries()) {
-      if (c.tie_word_embeddings && strip_wrappers(e.name) == "lm_head.weight") continue;
-      for (auto& [ours, tensor] : headroom_tensors(e.name, f.load(e.name), c)) params.at(ours).copy_(tensor);
+  for (const auto& [file, e] : plan.reads) {
+    for (auto& [ours, tensor] : headroom_tensors(e.name, plan.files[file].load(e.name), c)) {
+      params.at(ours).copy_(tensor);
     }
   }
+}
+
+std::vector<int64_t> hf_load_sequence(const std::string& dir, const ModelConfig& config, const std::string& what) {
+  std::vector<int64_t> bytes;
+  for (const auto& [file, e] : plan_load(dir, config, nullptr, what).reads) bytes.push_back(e.end - e.begin);
+  return bytes;
 }
 
 namespace {
@@ -308,12 +340,33 @@ const char* hf_dtype_name(at::ScalarType t) {
 
 }  // namespace
 
-std::vector<std::pair<std::string, at::Tensor>> hf_checkpoint_tensors(const CausalLM& model) {
+std::string hf_parameter_name(const std::string& ours, const ModelConfig& config) {
+  if (is_adapter(ours)) {
+    const bool a = ours.find(".lora_A.") != std::string::npos;
+    const std::string base = ours.substr(0, ours.find(a ? ".lora_A." : ".lora_B.")) + ".weight";
+    const std::string module = hf_name(base, config).first;
+    return module.substr(0, module.size() - 7) + (a ? ".lora_A.weight" : ".lora_B.weight");
+  }
+  return hf_name(ours, config).first;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> hf_checkpoint_tensors(const CausalLM& model, bool merge_lora) {
   const ModelConfig& c = model.config();
+  std::map<std::string, LoraAdapter> adapted;
+  if (merge_lora)
+    for (const auto& a : model.adapters()) adapted.emplace(a.weight, a.adapter);
+  const double scale = model.finetune().lora.scale();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& p : model.parameters()) {
+    if (is_adapter(p.name)) continue;
+    at::Tensor t = p.tensor.detach();
+    if (const auto it = adapted.find(p.name); it != adapted.end()) {
+      // W + (alpha / r) · B A, computed in float32 and stored in the weight's dtype, as peft merges
+      const at::Tensor delta = at::matmul(it->second.b.detach().to(at::kFloat), it->second.a.detach().to(at::kFloat));
+      t = (t.to(at::kFloat) + delta * scale).to(t.scalar_type());
+    }
     const auto [name, transposed] = hf_name(p.name, c);
-    out.emplace_back(name, transposed ? p.tensor.detach().t() : p.tensor.detach());
+    out.emplace_back(name, transposed ? t.t() : t);
   }
   return out;
 }
@@ -326,14 +379,14 @@ void check_hf_savable(const ModelConfig& config, const std::string& what) {
   }
 }
 
-void save_hf_weights(const std::string& dir, const CausalLM& model, const std::string& what) {
+void save_hf_weights(const std::string& dir, const CausalLM& model, bool merge_lora, const std::string& what) {
   namespace fs = std::filesystem;
   const ModelConfig& c = model.config();
   check_hf_savable(c, what);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir)) fail("{} '{}': cannot create the directory ({})", what, dir, ec.message());
-  const auto tensors = hf_checkpoint_tensors(model);
+  const auto tensors = hf_checkpoint_tensors(model, merge_lora);
   nlohmann::json config = c.source;
   const at::ScalarType dtype = tensors.empty() ? at::kFloat : tensors.front().second.scalar_type();
   config["dtype"] = hf_dtype_name(dtype);

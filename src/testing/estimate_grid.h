@@ -54,6 +54,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
   struct Variant {
     int64_t batch, seq, accum;
     const char *precision, *attention, *optimizer, *checkpointing;
+    const char* finetune = "full";
   };
   std::vector<Variant> variants = {
       {4, 32, 1, "fp32", "flash", "adamw", "none"},           {2, 64, 1, "fp32", "math", "sgd", "none"},
@@ -76,12 +77,16 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
   if (family.label == "qwen3") {
     variants = {{2, 32, 1, "fp32", "flash", "adamw", "none"},
                 {2, 32, 1, "bf16-mixed", "math", "sgd", "selective"},
-                {1, 64, 1, "bf16", "flash", "adafactor", "full"}};
+                {1, 64, 1, "bf16", "flash", "adafactor", "full"},
+                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=8,dropout=0.05,targets=q,k,v,o,gate,up,down"},
+                {2, 32, 1, "fp32", "flash", "adamw", "selective", "freeze:embed_tokens.weight,layers.0.*"},
+                {2, 32, 1, "bf16", "flash", "adamw", "full", "lora:r=16"}};
   } else if (family.label == "qwen3_moe") {
     // At most 6 GB each (fp32 weights with AdamW would hold 11.8 GB: two tests run side by side).
     variants = {{4, 32, 1, "bf16", "flash", "adamw", "none"},
                 {2, 32, 1, "bf16-mixed", "flash", "sgd", "none"},
-                {2, 32, 2, "bf16", "math", "sgd", "full"}};
+                {2, 32, 2, "bf16", "math", "sgd", "full"},
+                {2, 32, 1, "bf16", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down"}};
   } else if (family.label == "qwen3_moe_128_experts") {
     variants = {{2, 32, 1, "bf16", "flash", "sgd", "none"}, {1, 32, 1, "bf16-mixed", "flash", "sgd", "none"}};
   } else if (family.label == "mixtral") {
@@ -89,11 +94,20 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
   } else if (family.label == "gemma3") {
     variants = {{2, 32, 1, "fp32", "flash", "adamw", "none"},
                 {2, 32, 1, "bf16-mixed", "math", "sgd", "none"},
-                {1, 32, 1, "bf16", "flash", "adafactor", "selective"}};
+                {1, 32, 1, "bf16", "flash", "adafactor", "selective"},
+                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=16,alpha=32,targets=q,v,o"}};
   } else if (family.label == "phi3") {
-    variants = {{2, 32, 1, "fp32", "flash", "sgd", "none"}, {2, 32, 1, "bf16-mixed", "flash", "adafactor", "full"}};
+    variants = {{2, 32, 1, "fp32", "flash", "sgd", "none"},
+                {2, 32, 1, "bf16-mixed", "flash", "adafactor", "full"},
+                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down"}};
   } else if (family.label == "olmo2") {
     variants = {{2, 32, 1, "bf16", "flash", "adafactor", "none"}, {1, 32, 1, "bf16-mixed", "math", "sgd", "none"}};
+  }
+  // Fine-tuning: gpt2's fused, transposed projections under LoRA; a tied llama with frozen
+  // embeddings and its first layer.
+  if (family.preset == "gpt2") variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "none", "lora:r=16,targets=q,o,up,down"});
+  if (family.preset == "smollm-135m") {
+    variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "freeze:embed_tokens.weight,layers.0.*"});
   }
   std::vector<RunConfig> grid;
   for (const auto& v : variants) {
@@ -107,6 +121,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     cfg.attention = parse_attention_path(v.attention);
     cfg.optimizer = parse_optimizer(v.optimizer);
     cfg.checkpointing = parse_checkpoint_policy(v.checkpointing);
+    cfg.finetune = parse_finetune(v.finetune);
     cfg.device = "cpu";
     grid.push_back(cfg);
   }
@@ -120,17 +135,17 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
 // covers every optimizer, checkpointing policy, attention path and an accumulation of 2.
 inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   std::vector<size_t> keep;
-  if (family.preset == "gpt2") keep = {0, 3, 4};  // fp32 adamw; fp16-mixed math momentum full; bf16 adafactor every:2
+  if (family.preset == "gpt2") keep = {0, 3, 4, 8};  // fp32 adamw; fp16-mixed math momentum full; bf16 adafactor every:2; LoRA
   if (family.preset == "pythia-160m") keep = {1, 5, 7};  // math sgd; adagrad accum 2; bf16-mixed math accum 2
-  if (family.preset == "smollm-135m") keep = {2, 6};     // bf16-mixed adam selective; adamw full
+  if (family.preset == "smollm-135m") keep = {2, 6, 8};  // bf16-mixed adam selective; adamw full; frozen tied embedding
   if (family.preset == "qwen2.5-0.5b") keep = {1, 2};    // bf16-mixed math sgd selective; fp16-mixed adafactor full
   if (family.preset == "mistral-7b") keep = {0};         // math sgd at seq 32: the window of 16 masks
-  if (family.label == "qwen3") keep = {0, 1};            // fp32 adamw; bf16-mixed math selective
-  if (family.label == "qwen3_moe") keep = {1, 2};        // bf16-mixed (fp32 weights); bf16 math full, accum 2
+  if (family.label == "qwen3") keep = {0, 1, 3, 4, 5};   // fp32 adamw; bf16-mixed math selective; LoRA; frozen
+  if (family.label == "qwen3_moe") keep = {1, 2, 3};     // bf16-mixed (fp32 weights); bf16 math full, accum 2; LoRA
   if (family.label == "qwen3_moe_128_experts") keep = {0};  // all 128 experts, bf16
   if (family.label == "mixtral") keep = {0};             // bf16 sgd, windowed
-  if (family.label == "gemma3") keep = {0, 1};           // fp32 adamw; bf16-mixed math
-  if (family.label == "phi3") keep = {1};                // bf16-mixed full checkpointing, windowed
+  if (family.label == "gemma3") keep = {0, 1, 3};        // fp32 adamw; bf16-mixed math; LoRA
+  if (family.label == "phi3") keep = {1, 2};             // bf16-mixed full checkpointing, windowed; LoRA fused
   if (family.label == "olmo2") keep = {0};               // bf16 adafactor
   const std::vector<RunConfig> grid = accuracy_grid(family);
   std::vector<RunConfig> out;
@@ -147,8 +162,9 @@ inline std::vector<RunConfig> accuracy_grid() {
 }
 
 inline std::string describe(const RunConfig& c) {
-  return fmt::format("{} b{} s{} a{} {} {} {} {}", c.model, c.batch, c.seq, c.accum, precision_name(c.precision),
-                     attention_path_name(c.attention), optimizer_name(c.optimizer), c.checkpointing.name());
+  return fmt::format("{} b{} s{} a{} {} {} {} {}{}", c.model, c.batch, c.seq, c.accum, precision_name(c.precision),
+                     attention_path_name(c.attention), optimizer_name(c.optimizer), c.checkpointing.name(),
+                     c.finetune.full() ? "" : " " + c.finetune.name());
 }
 
 }  // namespace headroom::testing

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "model/hf_weights.h"
+#include "model/peft_adapter.h"
 #include "train/checkpoint.h"
 #include "train/metrics_log.h"
 #include "train/step.h"
@@ -117,8 +118,17 @@ class SaveWeightsObserver : public StepObserver {
  private:
   void save(Run& run, const StepRecord& rec) {
     if (run.rank() != 0) return;
-    save_hf_weights(dir_, *run.model);
-    if (!run.config.quiet) fmt::print(stderr, "saved the weights of step {} to {} (Hugging Face format)\n", rec.step, dir_);
+    const RunConfig& c = run.config;
+    if (c.finetune.is_lora() && !c.merge_lora) {
+      save_peft_adapter(dir_, *run.model, !c.weights.empty() ? c.weights : c.model);
+      if (!c.quiet) fmt::print(stderr, "saved the LoRA adapter of step {} to {} (peft format)\n", rec.step, dir_);
+      return;
+    }
+    save_hf_weights(dir_, *run.model, c.merge_lora);
+    if (!c.quiet) {
+      fmt::print(stderr, "saved the {}weights of step {} to {} (Hugging Face format)\n",
+                 c.merge_lora ? "merged " : "", rec.step, dir_);
+    }
   }
   std::string dir_;
 };

@@ -12,6 +12,7 @@
 #include "data/token_file.h"
 #include "memory/budget_allocator.h"
 #include "model/hf_weights.h"
+#include "model/peft_adapter.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/size.h"
@@ -133,12 +134,17 @@ void check_weights_options(const RunConfig& cfg, const Run& run) {
     fail("--weights with --shard full: not supported yet (each rank would need the whole checkpoint while it "
          "slices); accepted: --shard gradients or optimizer");
   }
+  if (run.comm && !cfg.finetune.full()) {
+    fail("--finetune {} under torchrun: not supported yet (data parallel reduces every parameter's gradient); "
+         "accepted: --finetune full with ranks, or one process",
+         cfg.finetune.name());
+  }
   if (sliced && !cfg.save_weights.empty()) {
     fail("--save-weights with --shard full: not supported yet; accepted: --shard gradients or optimizer, or "
          "--checkpoint (which saves the slices)");
   }
   if (cfg.save_weights.empty()) return;
-  check_hf_savable(run.model_config);
+  if (!cfg.finetune.is_lora() || cfg.merge_lora) check_hf_savable(run.model_config);
   namespace fs = std::filesystem;
   const fs::path out = fs::absolute(cfg.save_weights).lexically_normal();
   if (!cfg.weights.empty() && out == fs::absolute(cfg.weights).lexically_normal()) {
@@ -177,9 +183,11 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
       slices.push_back(DataParallel::weight_slice(p.tensor, rank, ranks));
     };
   }
-  run.model =
-      std::make_unique<CausalLM>(run.model_config, at::TensorOptions().dtype(dtype).device(run.device), cfg.seed, keep);
+  // Weights a checkpoint will fill are not drawn first.
+  run.model = std::make_unique<CausalLM>(run.model_config, at::TensorOptions().dtype(dtype).device(run.device),
+                                         cfg.seed, keep, cfg.finetune, cfg.weights.empty());
   if (!cfg.weights.empty()) load_hf_weights(cfg.weights, *run.model);
+  if (!cfg.adapter.empty()) load_peft_adapter(cfg.adapter, *run.model);
   return slices;
 }
 
@@ -196,8 +204,9 @@ void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> sli
     options.sharding = replicas->optimizer_sharding();
     replicas->tag_allocations_with([probe = run.probe.get()](AllocationTag tag) { probe->set_tag(tag); });
   }
+  // Frozen parameters have no optimizer state.
   run.optimizer = make_optimizer(
-      cfg.optimizer, run.replicas ? run.replicas->optimizer_parameters() : run.model->parameters(), options);
+      cfg.optimizer, run.replicas ? run.replicas->optimizer_parameters() : run.model->trainable_parameters(), options);
 }
 
 // An out-of-memory while allocating the weights or the optimizer state, as the report says it.

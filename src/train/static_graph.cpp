@@ -85,7 +85,8 @@ double eager_first_loss(const Trial& t, const at::Tensor& inputs, const at::Tens
 void allocate_gradients(const Trial& t) {
   cuda_empty_cache();
   cuda_reset_peak_stats(t.index);
-  for (const auto& p : t.run.parameters()) p.tensor.mutable_grad() = at::zeros_like(p.tensor);
+  for (const auto& p : t.run.parameters())
+    if (p.tensor.requires_grad()) p.tensor.mutable_grad() = at::zeros_like(p.tensor);
 }
 
 // Captures the micro-batch's forward, loss and backward into `graph`, its loss into `static_loss`;
@@ -118,7 +119,8 @@ bool capture_step(const Trial& t, CudaGraph& graph, const at::Tensor& inputs, co
 // the eager update.
 void replay_step(const Trial& t, CudaGraph& graph, const at::Tensor& inputs, const at::Tensor& targets,
                  const at::Tensor& static_loss, int64_t step, StaticGraphTrial& r) {
-  for (const auto& p : t.run.parameters()) p.tensor.grad().zero_();  // in place: the graph writes into these
+  for (const auto& p : t.run.parameters())
+    if (p.tensor.grad().defined()) p.tensor.grad().zero_();  // in place: the graph writes into these
   seed_step(t.cfg.seed, step);
   for (int64_t m = 0; m < t.cfg.accum; ++m) {
     if (step > t.steps || m > 0) {

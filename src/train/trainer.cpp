@@ -232,10 +232,13 @@ void announce(const Run& run, int64_t start) {
   const std::string ranks =
       run.comm ? fmt::format(" x {} ranks (--shard {})", run.ranks(), shard_level_name(c.shard)) : "";
   fmt::print(stderr,
-             "headroom train: {} ({}, {:.2f}M params) on {}, {} ({} KB); batch {} x accum {}{} x seq {}, {}, {}, "
-             "checkpointing {}, steps {}..{}{}\n",
-             run.model_config.name, family_name(run.model_config.family), run.model->num_parameters() / 1e6, where,
-             data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, c.batch, c.accum, ranks, c.seq,
+             "headroom train: {} ({}, {:.2f}M params{}) on {}, {} ({} K tokens); batch {} x accum {}{} x seq {}, {}, "
+             "{}, checkpointing {}, steps {}..{}{}\n",
+             run.model_config.name, family_name(run.model_config.family), run.model->num_parameters() / 1e6,
+             c.finetune.full() ? std::string()
+                               : fmt::format(", {:.2f}M trained: --finetune {}",
+                                             run.model->num_trainable_parameters() / 1e6, c.finetune.name()),
+             where, data.origin(), (data.train_tokens() + data.eval_tokens()) / 1000, c.batch, c.accum, ranks, c.seq,
              precision_name(c.precision), run.optimizer->name(), c.checkpointing.name(), start + 1, c.steps,
              c.memory_budget ? fmt::format(", memory budget {}", format_bytes(*c.memory_budget)) : "");
 }
@@ -292,6 +295,7 @@ class DivergenceWatch {
 TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepRecord>& steps, double seconds) {
   TrainSummary s;
   s.params = run.model->num_parameters();
+  s.trainable_params = run.model->num_trainable_parameters();
   s.device = run.device.str();
   s.steps = start + static_cast<int64_t>(steps.size());
   s.seconds = seconds;

@@ -25,6 +25,7 @@ namespace headroom {
 
 struct TrainSummary {
   int64_t params = 0;
+  int64_t trainable_params = 0;  // --finetune: those with gradients and optimizer state
   int64_t steps = 0;  // total optimizer steps completed, resumed ones included
   double final_loss = 0;
   double eval_loss = 0;     // NaN with --eval-rows 0

@@ -1,0 +1,124 @@
+"""LoRA and frozen weights against peft and transformers.
+
+- The trainable parameter count headroom estimates for `--finetune lora:r=R,targets=...` equals
+  peft's: get_peft_model over transformers' own model of the same config.json, on the meta device,
+  with the target modules peft users write for that family (listed here by hand), counted here.
+- A LoRA fine-tune saved as a peft adapter loads with PeftModel.from_pretrained, and transformers +
+  peft give the held-out loss headroom evaluated; merged (--merge-lora) it loads as a plain
+  checkpoint with the same loss; and headroom loads peft's adapter back (--adapter).
+- An adapter for another base is refused with one line, exit 2, and nothing written.
+"""
+import json
+import os
+
+import headroom
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from conftest import ROOT  # noqa: E402
+from finetune_helpers import (BATCH, EVAL_ROWS, SEQ, held_out_loss, make_tokenizer, make_tokens,  # noqa: E402
+                              run_headroom, save_base)
+
+ALL = "q,k,v,o,gate,up,down"
+# peft's target_modules for headroom's roles, as a peft user writes them for each family.
+PEFT_TARGETS = {
+    ("llama-3.2-1b", "q,v"): ["q_proj", "v_proj"],
+    ("llama-3.2-1b", ALL): ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ("qwen3-0.6b", "q,v"): ["q_proj", "v_proj"],
+    ("qwen3-0.6b", ALL): ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ("phi-3-mini", "q,v"): ["qkv_proj"],
+    ("phi-3-mini", ALL): ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    ("gpt2", "q,v"): ["c_attn"],
+    ("gpt2", ALL): ["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"],
+    # transformers holds a mixture of experts' experts as 3-D tensors, which peft's Linear targets
+    # do not reach: the attention's projections are adapted.
+    ("qwen3-30b-a3b", ALL): ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def preset_path(preset):
+    return os.path.join(ROOT, "configs", "models", preset + ".json")
+
+
+def peft_trainable(preset, r, targets):
+    with open(preset_path(preset)) as f:
+        fields = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("preset,targets", sorted(PEFT_TARGETS))
+def test_trainable_parameters_equal_peft(preset, targets):
+    ours = headroom.estimate(preset_path(preset), batch=1, seq=16, finetune=f"lora:r=16,alpha=32,targets={targets}")
+    theirs = peft_trainable(preset, 16, PEFT_TARGETS[(preset, targets)])
+    assert ours["model"]["trainable_params"] == theirs
+    assert ours["model"]["trainable_params"] < ours["model"]["params"]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    tokenizer = make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    return make_tokens(tokenizer, str(tmp_path_factory.mktemp("tokens") / "corpus.bin"))
+
+
+LORA = "lora:r=4,alpha=8,dropout=0.1,targets=" + ALL
+
+
+def fine_tune(base, tokens, out, *extra):
+    done = run_headroom("train", "--weights", base, "--data-tokens", tokens, "--finetune", LORA, "--steps", "4",
+                        "--batch", str(BATCH), "--seq", str(SEQ), "--eval-rows", str(EVAL_ROWS), "--lr", "1e-2",
+                        "--device", "cpu", "--save-weights", out, "--json", "--quiet", *extra)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+def test_peft_loads_the_adapter_and_agrees_on_the_loss(family, tmp_path, tokens):
+    base, base_model = save_base(family, tmp_path / "base")
+    summary = fine_tune(base, tokens, str(tmp_path / "adapter"))
+    assert 0 < summary["trainable_params"] < summary["params"]
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        config = json.load(f)
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    model.eval()
+    trainable = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert trainable == summary["trainable_params"]
+    # B starts at zero: trained, the adapter moved the model.
+    assert abs(held_out_loss(model, tokens) - held_out_loss(base_model.eval(), tokens)) > 1e-3
+    assert abs(held_out_loss(model, tokens) - summary["eval_loss"]) < 1e-4
+
+    merged = fine_tune(base, tokens, str(tmp_path / "merged"), "--merge-lora")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert abs(held_out_loss(plain, tokens) - merged["eval_loss"]) < 1e-4
+
+    # headroom reads peft's adapter back: a step at a vanishing learning rate evaluates it as it is.
+    done = run_headroom("train", "--weights", base, "--data-tokens", tokens, "--finetune", LORA, "--adapter",
+                        str(tmp_path / "adapter"), "--steps", "1", "--lr", "1e-12", "--batch", str(BATCH), "--seq",
+                        str(SEQ), "--eval-rows", str(EVAL_ROWS), "--device", "cpu", "--json", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert abs(json.loads(done.stdout.strip().splitlines()[-1])["eval_loss"] - summary["eval_loss"]) < 1e-4
+
+
+def test_an_adapter_for_another_base_is_refused(tmp_path, tokens):
+    base, _ = save_base("qwen3", tmp_path / "base")
+    fine_tune(base, tokens, str(tmp_path / "adapter"))
+    wider, _ = save_base("qwen3", tmp_path / "wider", hidden_size=96)
+    out = tmp_path / "out"
+    done = run_headroom("train", "--weights", wider, "--data-tokens", tokens, "--finetune", LORA, "--adapter",
+                        str(tmp_path / "adapter"), "--steps", "1", "--seq", str(SEQ), "--device", "cpu",
+                        "--save-weights", str(out), "--quiet")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has shape" in lines[0] and "another base" in lines[0], done.stderr
+    assert not out.exists()
+    # Another rank than --finetune's.
+    done = run_headroom("train", "--weights", base, "--data-tokens", tokens, "--finetune", "lora:r=8", "--adapter",
+                        str(tmp_path / "adapter"), "--steps", "1", "--seq", str(SEQ), "--device", "cpu", "--quiet")
+    assert done.returncode == 2 and "the adapter has r=4" in done.stderr
