@@ -33,9 +33,8 @@ PEFT_TARGETS = {
     ("phi-3-mini", ALL): ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     ("gpt2", "q,v"): ["c_attn"],
     ("gpt2", ALL): ["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"],
-    # transformers holds a mixture of experts' experts as 3-D tensors, which peft's Linear targets
-    # do not reach: the attention's projections are adapted.
-    ("qwen3-30b-a3b", ALL): ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    # A mixture of experts: the attention (headroom refuses LoRA on the experts for now).
+    ("qwen3-30b-a3b", "q,k,v,o"): ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 
 
@@ -56,6 +55,7 @@ def peft_trainable(preset, r, targets):
 @pytest.mark.parametrize("preset,targets", sorted(PEFT_TARGETS))
 def test_trainable_parameters_equal_peft(preset, targets):
     ours = headroom.estimate(preset_path(preset), batch=1, seq=16, finetune=f"lora:r=16,alpha=32,targets={targets}")
+    print(f"{preset} targets={targets}: headroom {ours['model']['trainable_params']:,} trainable")
     theirs = peft_trainable(preset, 16, PEFT_TARGETS[(preset, targets)])
     assert ours["model"]["trainable_params"] == theirs
     assert ours["model"]["trainable_params"] < ours["model"]["params"]
