@@ -122,3 +122,24 @@ def test_an_adapter_for_another_base_is_refused(tmp_path, tokens):
     done = run_headroom("train", "--weights", base, "--data-tokens", tokens, "--finetune", "lora:r=8", "--adapter",
                         str(tmp_path / "adapter"), "--steps", "1", "--seq", str(SEQ), "--device", "cpu", "--quiet")
     assert done.returncode == 2 and "the adapter has r=4" in done.stderr
+
+
+def test_the_any_model_estimate_of_a_peft_model_matches_its_measured_step():
+    """A user's own peft model through `import headroom`: the trace sees which parameters require grad
+    (no gradients or AdamW state for the frozen base), and predicts the step a real run measures."""
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376,
+                                      num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 32000, (2, 128))
+    inputs = {"input_ids": ids, "labels": ids}
+    predicted = headroom.estimate(model, inputs, optimizer="adamw")
+    assert predicted["model"]["trainable_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    measured = headroom.measure(model, inputs, optimizer="adamw")
+    assert abs(predicted["peak_bytes"] - measured["peak_bytes"]) <= 0.01 * measured["peak_bytes"]
+    # Far below the same model trained whole: the base has no gradients and no optimizer state.
+    for p in model.parameters():
+        p.requires_grad_(True)
+    whole = headroom.estimate(model, inputs, optimizer="adamw")
+    assert predicted["peak_bytes"] < whole["peak_bytes"] - 2 * 4 * 38_000_000

@@ -21,7 +21,7 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
                          "reserved memory, by replaying the step through PyTorch's allocator policy.\n"
                          "With --memory-budget, also say whether it fits (exit code 3 when it does not): with a\n"
                          "caching allocator, by reserved memory under that cap.");
-  auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "batch", "accum", "seq", "device", "attention", "moe-routing", "finetune",
+  auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "batch", "accum", "seq", "device", "attention", "moe-routing", "finetune",
                                      "precision", "checkpointing", "optimizer", "optimizer-impl", "memory-budget",
                                      "allocator", "allocator-conf", "world-size", "shard", "json", "quiet"});
   cmd->callback([config, &run] {
@@ -45,9 +45,12 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
         fmt::print("{}\n", dump_json(j));
       } else {
         fmt::print(
-            "{} ({}, {:.3f}B params), batch {} x accum {}{} x seq {}, {}, {}, checkpointing {}, attention {}, "
+            "{} ({}, {:.3f}B params{}), batch {} x accum {}{} x seq {}, {}, {}, checkpointing {}, attention {}, "
             "on {}{}\n\n{}",
-            model.name, family_name(model.family), static_cast<double>(e.params) / 1e9, spec.batch, spec.accum,
+            model.name, family_name(model.family), static_cast<double>(e.params) / 1e9,
+            spec.finetune.full() ? std::string()
+                                 : fmt::format(", {} trained: --finetune {}", e.trainable_params, spec.finetune.name()),
+            spec.batch, spec.accum,
             spec.world > 1 ? fmt::format(" x {} ranks", spec.world) : "", spec.seq, precision_name(spec.precision),
             optimizer_name(spec.optimizer), spec.checkpointing.name(), attention_path_name(spec.attention),
             spec.cuda ? "cuda" : "cpu",
