@@ -152,7 +152,9 @@ TEST(ModelConfig, BadInputGetsOneLineErrors) {
               ThrowsMessage<Error>(HasSubstr("rope_scaling.factor must be a number")));
   EXPECT_THAT([] { load_model_config("gpt2", {"scale_attn_by_inverse_layer_idx=true"}); },
               ThrowsMessage<Error>(HasSubstr("scale_attn_by_inverse_layer_idx = true is not supported")));
-  EXPECT_THAT([] { load_model_config("/tmp"); }, ThrowsMessage<Error>(HasSubstr("'/tmp' is a directory")));
+  // A directory is read as a checkpoint's: its config.json, or an error saying there is none.
+  EXPECT_THAT([] { load_model_config("/proc"); },
+              ThrowsMessage<Error>(HasSubstr("--model '/proc': a directory without a config.json")));
 }
 
 TEST(ModelConfig, PresetsIncludeTheBundledOnes) {
