@@ -12,5 +12,6 @@ void bind_estimate(pybind11::module_& m);  // estimate, plan, the plan as settin
 void bind_guard(pybind11::module_& m);     // the guard's rules, the batch-size search
 void bind_snapshot(pybind11::module_& m);  // analyze_snapshot: a PyTorch memory snapshot diagnosed
 void bind_trace(pybind11::module_& m);     // the estimate of a recorded trace (any model)
+void bind_optim(pybind11::module_& m);     // headroom's optimizers and the 8-bit map, for comparisons
 
 }  // namespace headroom::python

@@ -17,4 +17,5 @@ PYBIND11_MODULE(_core, m) {
   headroom::python::bind_guard(m);
   headroom::python::bind_snapshot(m);
   headroom::python::bind_trace(m);
+  headroom::python::bind_optim(m);
 }

@@ -12,6 +12,7 @@ const char* optimizer_name(OptimizerKind kind) {
     case OptimizerKind::adamw: return "adamw";
     case OptimizerKind::adagrad: return "adagrad";
     case OptimizerKind::adafactor: return "adafactor";
+    case OptimizerKind::adamw8bit: return "adamw8bit";
   }
   return "?";
 }
@@ -20,7 +21,7 @@ OptimizerKind parse_optimizer(const std::string& text) {
   for (OptimizerKind k : kOptimizerKinds) {
     if (text == optimizer_name(k)) return k;
   }
-  fail("--optimizer '{}': accepted: sgd, momentum, adam, adamw, adagrad, adafactor", text);
+  fail("--optimizer '{}': accepted: sgd, momentum, adam, adamw, adagrad, adafactor, adamw8bit", text);
 }
 
 const char* optimizer_impl_name(OptimizerImpl impl) { return impl == OptimizerImpl::torch ? "torch" : "headroom"; }

@@ -6,12 +6,14 @@
 
 namespace headroom {
 
-enum class OptimizerKind { sgd, momentum, adam, adamw, adagrad, adafactor };
+// adamw8bit: AdamW with blockwise 8-bit moments (optim/quantize8bit.h), bitsandbytes' AdamW8bit.
+enum class OptimizerKind { sgd, momentum, adam, adamw, adagrad, adafactor, adamw8bit };
 
 // Every kind, in the order --help lists them.
-inline constexpr OptimizerKind kOptimizerKinds[] = {OptimizerKind::sgd,     OptimizerKind::momentum,
-                                                    OptimizerKind::adam,    OptimizerKind::adamw,
-                                                    OptimizerKind::adagrad, OptimizerKind::adafactor};
+inline constexpr OptimizerKind kOptimizerKinds[] = {OptimizerKind::sgd,       OptimizerKind::momentum,
+                                                    OptimizerKind::adam,      OptimizerKind::adamw,
+                                                    OptimizerKind::adagrad,   OptimizerKind::adafactor,
+                                                    OptimizerKind::adamw8bit};
 
 const char* optimizer_name(OptimizerKind kind);
 // Throws Error naming the accepted values.

@@ -34,6 +34,10 @@ std::string OptimizerReplay::state_formula() const {
     case OptimizerKind::adafactor:
       formula = "float32 row and column second moments per matrix, full ones per vector, step counters";
       break;
+    case OptimizerKind::adamw8bit:
+      formula = "two 8-bit moments: 2 B per element and a float32 absmax each per block of 2048 (float32 "
+                "moments, 8 B, under 4096 elements), a step counter per tensor";
+      break;
   }
   if (dp_.sharded() && s_.optimizer != OptimizerKind::sgd) {
     formula += fmt::format(", of this rank's slices (ceil(n / {}) elements of each parameter)", s_.world);

@@ -31,6 +31,7 @@ std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<
     case OptimizerKind::adamw: return make_adam(params, options, /*decoupled=*/true);
     case OptimizerKind::adagrad: return make_adagrad(params, options);
     case OptimizerKind::adafactor: return make_adafactor(params, options);
+    case OptimizerKind::adamw8bit: return make_adamw8bit(params, options);
   }
   fail("unknown optimizer");
 }

@@ -44,6 +44,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // AdamW: decoupled decay 0.1, betas (0.9, 0.95), eps 1e-8, bias-corrected moments.
         HandComputed{OptimizerKind::adamw, 0.1, {0.890000002, -2.07999999}, {0.8542630578558273, -2.159199980100002}},
+        // AdamW8bit: a parameter this small keeps float32 moments (bitsandbytes' min_8bit_size): AdamW's update.
+        HandComputed{OptimizerKind::adamw8bit, 0.1, {0.890000002, -2.07999999}, {0.8542630578558273, -2.159199980100002}},
         // Adam: the same with L2 decay 0.1 added to the gradient.
         HandComputed{OptimizerKind::adam, 0.1, {0.9000000016666666, -1.900000009999999},
                      {0.8539362251824001, -1.8002805701248918}},

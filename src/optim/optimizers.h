@@ -55,6 +55,7 @@ std::unique_ptr<Optimizer> make_sgd(const std::vector<NamedTensor>& params, cons
 std::unique_ptr<Optimizer> make_adam(const std::vector<NamedTensor>& params, const OptimizerOptions& options,
                                      bool decoupled);
 std::unique_ptr<Optimizer> make_adagrad(const std::vector<NamedTensor>& params, const OptimizerOptions& options);
+std::unique_ptr<Optimizer> make_adamw8bit(const std::vector<NamedTensor>& params, const OptimizerOptions& options);
 std::unique_ptr<Optimizer> make_adafactor(const std::vector<NamedTensor>& params, const OptimizerOptions& options);
 
 }  // namespace headroom

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "device/device.h"
+
 namespace headroom {
 
 const char* lever_name(Lever lever) {
@@ -89,6 +91,13 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
                          optimizer_name(cfg.optimizer));
     }
     add(Lever::optimizer, optimizer_name(o), note, [o](RunConfig& c) { c.optimizer = o; });
+  }
+  // The same update with 8-bit moments (cpu only in this version: the trainer's loop).
+  if (is_adam_family(cfg.optimizer) && cfg.device.rfind("cuda", 0) != 0 &&
+      !(cfg.device == "auto" && resolve_device(cfg.device).is_cuda())) {
+    add(Lever::optimizer, optimizer_name(OptimizerKind::adamw8bit),
+        "AdamW's update with blockwise 8-bit moments: about 2 B of state per parameter instead of 8",
+        [](RunConfig& c) { c.optimizer = OptimizerKind::adamw8bit; });
   }
   return out;
 }

@@ -18,6 +18,7 @@ const char* hf_optim(OptimizerKind k) {
     case OptimizerKind::adamw: return "adamw_torch";
     case OptimizerKind::adagrad: return "adagrad";
     case OptimizerKind::adafactor: return "adafactor";
+    case OptimizerKind::adamw8bit: return "adamw_bnb_8bit";
   }
   return "adamw_torch";
 }
@@ -30,6 +31,8 @@ const char* torch_optimizer(OptimizerKind k) {
     case OptimizerKind::adamw: return "torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)";
     case OptimizerKind::adagrad: return "torch.optim.Adagrad(model.parameters(), lr=lr)";
     case OptimizerKind::adafactor: return "torch.optim.Adafactor(model.parameters(), lr=lr)";
+    case OptimizerKind::adamw8bit:
+      return "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=lr, weight_decay=0.1)  # pip install bitsandbytes";
   }
   return "";
 }

@@ -80,7 +80,8 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
                 {1, 64, 1, "bf16", "flash", "adafactor", "full"},
                 {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=8,dropout=0.05,targets=q,k,v,o,gate,up,down"},
                 {2, 32, 1, "fp32", "flash", "adamw", "selective", "freeze:embed_tokens.weight,layers.0.*"},
-                {2, 32, 1, "bf16", "flash", "adamw", "full", "lora:r=16"}};
+                {2, 32, 1, "bf16", "flash", "adamw", "full", "lora:r=16"},
+                {2, 32, 1, "bf16", "flash", "adamw8bit", "selective", "freeze:embed_tokens.weight"}};
   } else if (family.label == "qwen3_moe") {
     // At most 6 GB each (fp32 weights with AdamW would hold 11.8 GB: two tests run side by side).
     variants = {{4, 32, 1, "bf16", "flash", "adamw", "none"},
@@ -105,7 +106,10 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
   }
   // Fine-tuning: gpt2's fused, transposed projections under LoRA; a tied llama with frozen
   // embeddings and its first layer.
-  if (family.preset == "gpt2") variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "none", "lora:r=16,targets=q,o,up,down"});
+  if (family.preset == "gpt2") {
+    variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "none", "lora:r=16,targets=q,o,up,down"});
+    variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw8bit", "none"});
+  }
   if (family.preset == "smollm-135m") {
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "freeze:embed_tokens.weight,layers.0.*"});
   }
@@ -135,12 +139,12 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
 // covers every optimizer, checkpointing policy, attention path and an accumulation of 2.
 inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   std::vector<size_t> keep;
-  if (family.preset == "gpt2") keep = {0, 3, 4, 8};  // fp32 adamw; fp16-mixed math momentum full; bf16 adafactor every:2; LoRA
+  if (family.preset == "gpt2") keep = {0, 3, 4, 8, 9};  // fp32 adamw; fp16-mixed momentum full; bf16 adafactor; LoRA; 8-bit
   if (family.preset == "pythia-160m") keep = {1, 5, 7};  // math sgd; adagrad accum 2; bf16-mixed math accum 2
   if (family.preset == "smollm-135m") keep = {2, 6, 8};  // bf16-mixed adam selective; adamw full; frozen tied embedding
   if (family.preset == "qwen2.5-0.5b") keep = {1, 2};    // bf16-mixed math sgd selective; fp16-mixed adafactor full
   if (family.preset == "mistral-7b") keep = {0};         // math sgd at seq 32: the window of 16 masks
-  if (family.label == "qwen3") keep = {0, 1, 3, 4, 5};   // fp32 adamw; bf16-mixed math selective; LoRA; frozen
+  if (family.label == "qwen3") keep = {0, 1, 3, 4, 5, 6};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit
   if (family.label == "qwen3_moe") keep = {1, 2, 3};     // bf16-mixed (fp32 weights); bf16 math full, accum 2; LoRA
   if (family.label == "qwen3_moe_128_experts") keep = {0};  // all 128 experts, bf16
   if (family.label == "mixtral") keep = {0};             // bf16 sgd, windowed
