@@ -46,7 +46,7 @@ void LayerReplay::construct_model() {
     // A mixture of experts' weights and gradients are shown apart from the dense ones, frozen
     // weights (--finetune) apart from trained ones, and LoRA's adapters apart from both.
     const bool expert = np.name.find(".mlp.experts.") != std::string::npos;
-    const bool adapter = np.name.find(".lora_A.") != std::string::npos || np.name.find(".lora_B.") != std::string::npos;
+    const bool adapter = is_lora_parameter(np.name);
     const bool trains = np.tensor.requires_grad();
     if (expert && expert_weights_ < 0) {
       expert_weights_ = mem_.label("expert weights", Category::weights, "the experts' parameters × " + w);
@@ -83,7 +83,7 @@ void LayerReplay::construct_model() {
   const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");
   const bool loaded = !s_.loaded_tensors.empty();
   for (const auto& name : order_) {
-    const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+    const bool adapter = is_lora_parameter(name);
     if (!loaded || adapter) Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
   }
   // --weights: then the checkpoint's tensors, read one at a time in their file's dtype.

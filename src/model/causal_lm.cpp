@@ -58,7 +58,7 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
   const double proj_std = c.family == Family::gpt2 ? std_dev / std::sqrt(2.0 * c.num_layers) : std_dev;
   c10::NoGradGuard no_grad;
   for (auto& [name, t] : params) {
-    const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+    const bool adapter = is_lora_parameter(name);
     if (!base && !adapter) continue;
     const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
     if (!keep) {
@@ -70,6 +70,22 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
     keep({name, t});
     release_storage(t);
   }
+}
+
+// The adapter member of layer `l` (a CausalLM::Layer, const or not) for the module whose weight is
+// `weight` ("layers.3.attn.q_proj.weight"): model/lora.h's adaptable_modules() names them.
+template <typename Layer>
+auto* adapter_slot(Layer& l, const std::string& weight) {
+  const std::string module = weight.substr(weight.find('.', 7) + 1);  // "attn.q_proj.weight"
+  return module == "attn.qkv.weight"           ? &l.lora_qkv
+         : module == "attn.q_proj.weight"      ? &l.lora_q
+         : module == "attn.k_proj.weight"      ? &l.lora_k
+         : module == "attn.v_proj.weight"      ? &l.lora_v
+         : module == "attn.o_proj.weight"      ? &l.lora_o
+         : module == "mlp.gate_up_proj.weight" ? &l.lora_gate_up
+         : module == "mlp.gate_proj.weight"    ? &l.lora_gate
+         : module == "mlp.up_proj.weight"      ? &l.lora_up
+                                               : &l.lora_down;
 }
 
 // The rotary settings of windowed layers with a base of their own (gemma3): that base, unscaled.
@@ -186,16 +202,7 @@ void CausalLM::add_adapters() {
       bool targeted = false;
       for (Projection role : m.roles) targeted |= lora.targets_any({role});
       if (!targeted) continue;
-      const std::string module = m.weight.substr(m.weight.find('.', 7) + 1);  // "attn.q_proj.weight"
-      LoraAdapter* slot = module == "attn.qkv.weight"          ? &l.lora_qkv
-                          : module == "attn.q_proj.weight"     ? &l.lora_q
-                          : module == "attn.k_proj.weight"     ? &l.lora_k
-                          : module == "attn.v_proj.weight"     ? &l.lora_v
-                          : module == "attn.o_proj.weight"     ? &l.lora_o
-                          : module == "mlp.gate_up_proj.weight" ? &l.lora_gate_up
-                          : module == "mlp.gate_proj.weight"   ? &l.lora_gate
-                          : module == "mlp.up_proj.weight"     ? &l.lora_up
-                                                               : &l.lora_down;
+      LoraAdapter* slot = adapter_slot(l, m.weight);
       slot->a = add_param(lora_a_name(m.weight), {lora.r, m.in});
       slot->b = add_param(lora_b_name(m.weight), {m.out, lora.r});
       any = true;
@@ -215,7 +222,7 @@ void CausalLM::mark_trainable() {
   for (auto& [name, t] : params_) {
     bool trains = true;
     if (finetune_.is_lora()) {
-      trains = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+      trains = is_lora_parameter(name);
     } else if (finetune_.kind == Finetune::Kind::freeze) {
       const std::string theirs = hf_parameter_name(name, config_);
       for (size_t k = 0; k < finetune_.freeze.size(); ++k) {
@@ -241,16 +248,7 @@ std::vector<CausalLM::Adapted> CausalLM::adapters() const {
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     const Layer& l = layers_[static_cast<size_t>(i)];
     for (const AdaptableModule& m : adaptable_modules(config_, i)) {
-      const std::string module = m.weight.substr(m.weight.find('.', 7) + 1);
-      const LoraAdapter& a = module == "attn.qkv.weight"          ? l.lora_qkv
-                             : module == "attn.q_proj.weight"     ? l.lora_q
-                             : module == "attn.k_proj.weight"     ? l.lora_k
-                             : module == "attn.v_proj.weight"     ? l.lora_v
-                             : module == "attn.o_proj.weight"     ? l.lora_o
-                             : module == "mlp.gate_up_proj.weight" ? l.lora_gate_up
-                             : module == "mlp.gate_proj.weight"   ? l.lora_gate
-                             : module == "mlp.up_proj.weight"     ? l.lora_up
-                                                                  : l.lora_down;
+      const LoraAdapter& a = *adapter_slot(l, m.weight);
       if (a.defined()) out.push_back({m.weight, a});
     }
   }

@@ -11,6 +11,7 @@
 #include <regex>
 #include <set>
 
+#include "model/lora.h"
 #include "train/safetensors.h"
 #include "util/error.h"
 #include "util/atomic_file.h"
@@ -18,10 +19,6 @@
 
 namespace headroom {
 namespace {
-
-bool is_adapter(const std::string& name) {
-  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
-}
 
 bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
@@ -253,7 +250,7 @@ void load_hf_weights(const std::string& dir, CausalLM& model, const std::string&
   const ModelConfig& c = model.config();
   std::map<std::string, at::Tensor> params;
   for (const auto& p : model.parameters()) {
-    if (!is_adapter(p.name)) params.emplace(p.name, p.tensor);  // LoRA's come from --adapter, or start anew
+    if (!is_lora_parameter(p.name)) params.emplace(p.name, p.tensor);  // LoRA's come from --adapter, or start anew
   }
   // Everything is checked before any parameter changes; then each tensor is read, converted and
   // copied in turn, so that no more than one of them is in memory beside the model.
@@ -341,7 +338,7 @@ const char* hf_dtype_name(at::ScalarType t) {
 }  // namespace
 
 std::string hf_parameter_name(const std::string& ours, const ModelConfig& config) {
-  if (is_adapter(ours)) {
+  if (is_lora_parameter(ours)) {
     const bool a = ours.find(".lora_A.") != std::string::npos;
     const std::string base = ours.substr(0, ours.find(a ? ".lora_A." : ".lora_B.")) + ".weight";
     const std::string module = hf_name(base, config).first;
@@ -358,7 +355,7 @@ std::vector<std::pair<std::string, at::Tensor>> hf_checkpoint_tensors(const Caus
   const double scale = model.finetune().lora.scale();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& p : model.parameters()) {
-    if (is_adapter(p.name)) continue;
+    if (is_lora_parameter(p.name)) continue;
     at::Tensor t = p.tensor.detach();
     if (const auto it = adapted.find(p.name); it != adapted.end()) {
       // W + (alpha / r) · B A, computed in float32 and stored in the weight's dtype, as peft merges

@@ -36,6 +36,10 @@ std::string adapter_name(const std::string& weight, const char* which) {
 }
 }  // namespace
 
+bool is_lora_parameter(const std::string& name) {
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+}
+
 std::string lora_a_name(const std::string& weight) { return adapter_name(weight, "lora_A"); }
 std::string lora_b_name(const std::string& weight) { return adapter_name(weight, "lora_B"); }
 

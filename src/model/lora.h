@@ -37,6 +37,9 @@ std::vector<AdaptableModule> adaptable_modules(const ModelConfig& c, int64_t lay
 std::string lora_a_name(const std::string& weight);
 std::string lora_b_name(const std::string& weight);
 
+// Whether a parameter's name is an adapter's (lora_A or lora_B).
+bool is_lora_parameter(const std::string& name);
+
 // The trainable parameters LoRA adds to the whole model: r·(in + out) per adapted module.
 int64_t lora_parameters(const ModelConfig& c, const LoraSettings& lora);
 

@@ -26,7 +26,7 @@ const std::string kPrefix = "base_model.model.";
 std::map<std::string, at::Tensor> peft_tensors(const CausalLM& model) {
   std::map<std::string, at::Tensor> out;
   for (const auto& p : model.parameters()) {
-    if (p.name.find(".lora_A.") == std::string::npos && p.name.find(".lora_B.") == std::string::npos) continue;
+    if (!is_lora_parameter(p.name)) continue;
     out.emplace(kPrefix + hf_parameter_name(p.name, model.config()), p.tensor);
   }
   return out;
