@@ -154,6 +154,13 @@ TEST(Cli, BadInputThatOnceMisledNowSaysWhatIsAccepted) {
   expect_usage_error("train --data-tokens " + dir.file("33.txt"), "shorter than llm.c's 1024-byte header");
   expect_usage_error("train --data-tokens uint32:" + dir.file("33.txt"), "33 bytes is not a whole number of uint32 ids");
   expect_usage_error("train --data x.txt --data-tokens y.bin", "--data and --data-tokens both given");
+  expect_usage_error("train --finetune lora", "--finetune lora needs its rank: lora:r=R");
+  expect_usage_error("train --merge-lora", "--merge-lora needs --finetune lora:... and --save-weights DIR");
+  expect_usage_error("train --adapter somewhere", "--adapter needs --finetune lora:r=R");
+  expect_usage_error("train --finetune freeze:nothing.matches --steps 1", "'nothing.matches' matches no parameter of tiny");
+  expect_usage_error("estimate --model qwen3-30b-a3b --finetune lora:r=8,targets=q,gate",
+                     "LoRA on a mixture of experts' MLPs (gate, up, down) is not supported yet");
+  expect_usage_error("estimate --finetune lora:r=8 --world-size 2", "with --world-size 2: not supported yet");
   expect_usage_error("estimate --model " + dir.path(), "a directory without a config.json");
   expect_usage_error("train --config /dev/urandom", "'/dev/urandom' is not a regular file");
   expect_usage_error("train --steps 4 --warmup 10", "--warmup 10 is longer than --steps 4");

@@ -144,7 +144,7 @@ inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   if (family.preset == "smollm-135m") keep = {2, 6, 8};  // bf16-mixed adam selective; adamw full; frozen tied embedding
   if (family.preset == "qwen2.5-0.5b") keep = {1, 2};    // bf16-mixed math sgd selective; fp16-mixed adafactor full
   if (family.preset == "mistral-7b") keep = {0};         // math sgd at seq 32: the window of 16 masks
-  if (family.label == "qwen3") keep = {0, 1, 3, 4, 5, 6};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit
+  if (family.label == "qwen3") keep = {0, 1, 3, 4, 6};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit
   if (family.label == "qwen3_moe") keep = {1, 2, 3};     // bf16-mixed (fp32 weights); bf16 math full, accum 2; LoRA
   if (family.label == "qwen3_moe_128_experts") keep = {0};  // all 128 experts, bf16
   if (family.label == "mixtral") keep = {0};             // bf16 sgd, windowed
