@@ -6,10 +6,10 @@
 
 #include <filesystem>
 
+#include "data/token_file.h"
 #include "device/cuda_adapter.h"
 #include "device/device.h"
 #include "memory/allocator_config.h"
-#include "data/token_file.h"
 #include "memory/budget_allocator.h"
 #include "model/hf_weights.h"
 #include "model/peft_adapter.h"
