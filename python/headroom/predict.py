@@ -77,7 +77,7 @@ def estimate(
     "peak_phase", "breakdown": {category: bytes}, "items": [...], "phases": {...}}`` (and, for
     ``device="cuda"``, the caching allocator's predicted reserved bytes). Settings are named and
     checked as the CLI's flags: precision fp32, bf16-mixed, fp16-mixed, bf16; optimizer adamw, adam,
-    sgd, momentum, adagrad, adafactor; checkpointing none, selective, every:K, full; attention flash,
+    sgd, momentum, adagrad, adafactor, adamw8bit; checkpointing none, selective, every:K, full; attention flash,
     math; shard none, optimizer, gradients, full. ``optimizer_impl``: ``"torch"`` predicts the update
     of ``torch.optim``'s class of that name (its default: single-tensor on cpu, foreach on cuda;
     without weight decay for Adam and Adagrad; adafactor is predicted as headroom's own), as your

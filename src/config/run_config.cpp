@@ -147,7 +147,7 @@ const std::vector<RunField>& run_fields() {
       number("lr", "peak learning rate", &RunConfig::lr),
       number("min-lr-ratio", "cosine schedule ends at lr * this", &RunConfig::min_lr_ratio),
       integer("warmup", "linear warm-up steps (default: 5% of --steps)", &RunConfig::warmup),
-      choice("optimizer", "sgd, momentum, adam, adamw, adagrad or adafactor", &RunConfig::optimizer, &parse_optimizer,
+      choice("optimizer", "sgd, momentum, adam, adamw, adagrad, adafactor or adamw8bit (AdamW with 8-bit moments, cpu)", &RunConfig::optimizer, &parse_optimizer,
              &optimizer_name),
       choice("optimizer-impl",
              "estimate, plan: whose optimizer update to predict: headroom (its trainer's, in place) or torch "
