@@ -65,6 +65,7 @@ const std::map<std::string, std::vector<std::string>>& samples() {
       {"plan", {"auto"}},
       {"no-guard", {"true"}},
       {"shard", {"gradients"}},
+      {"offload", {"optimizer"}},
       {"world-size", {"2"}},
       {"dist-timeout", {"60"}},
       {"json", {"true"}},

@@ -101,6 +101,7 @@ nlohmann::json summary_json(const TrainSummary& s, const RunConfig& cfg) {
                         {"seconds", s.seconds},
                         {"device", s.device}};
   if (s.peak_reserved_bytes) out["peak_reserved_bytes"] = *s.peak_reserved_bytes;
+  if (s.host_bytes) out["host_bytes"] = *s.host_bytes;
   if (s.routing_skew) out["routing_skew"] = *s.routing_skew;
   if (s.ranks > 1) {
     out["ranks"] = s.ranks;
@@ -119,9 +120,10 @@ void print_summary_text(const TrainSummary& s) {
     for (const int64_t b : s.rank_peak_bytes) peaks.push_back(format_bytes(b));
     ranks = fmt::format(" on rank 0; per rank: {}", fmt::join(peaks, ", "));
   }
-  fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}{}{}\n", s.steps,
+  fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}{}{}{}\n", s.steps,
              s.final_loss, s.eval_loss, s.tokens_per_s, format_bytes(s.peak_bytes),
-             s.peak_reserved_bytes ? fmt::format(" ({} reserved)", format_bytes(*s.peak_reserved_bytes)) : "", ranks);
+             s.peak_reserved_bytes ? fmt::format(" ({} reserved)", format_bytes(*s.peak_reserved_bytes)) : "",
+             s.host_bytes ? fmt::format(", host {} (offloaded optimizer)", format_bytes(*s.host_bytes)) : "", ranks);
   if (s.routing_skew) {
     fmt::print(stderr,
                "routing: the busiest expert took {:.2f}x a balanced share; estimate with this skew: "

@@ -184,6 +184,11 @@ const std::vector<RunField>& run_fields() {
              "gate,up,down] (the base frozen, low-rank adapters trained, as peft's LoraConfig; defaults alpha 8, "
              "dropout 0, targets q,v)",
              &RunConfig::finetune, &parse_finetune, [](const Finetune& f) { return f.name(); }),
+      choice("offload",
+             "none (default) or optimizer: the optimizer's state and its update in host memory (torchao's "
+             "CPUOffloadOptimizer): each step copies the gradients to the host, updates there and copies the "
+             "parameters back; on cpu the host pool is counted apart from the --memory-budget device",
+             &RunConfig::offload, &parse_offload, &offload_name),
       choice("moe-routing",
              "estimate, plan, fit, doctor on a mixture of experts: the routing to assume: balanced (default), worst "
              "(top_k experts take every token) or the hottest expert's load relative to the balanced share, as "
@@ -512,6 +517,11 @@ void validate(const RunConfig& c) {
     fail("--weights '{}': not a directory; accepted: a Hugging Face checkpoint directory (config.json and "
          "model.safetensors, or model.safetensors.index.json and its shards)",
          c.weights);
+  }
+  if (c.offload != Offload::none && world_size_of(c) > 1) {
+    fail("--offload {} with {} data-parallel ranks: not supported yet; accepted: one process, or --shard optimizer to "
+         "split the optimizer state over the ranks instead",
+         offload_name(c.offload), world_size_of(c));
   }
   if (c.merge_lora && (!c.finetune.is_lora() || c.save_weights.empty())) {
     fail("--merge-lora needs --finetune lora:... and --save-weights DIR (it says how the adapters are saved)");

@@ -2,7 +2,7 @@
 //
 // The micro-batch and its accumulation (lever 3), the sequence length, precision (4), activation
 // checkpointing (5), the attention path, the optimizer (8) and whose update of it an estimate
-// predicts, the data-parallel shard level (6), the routing an estimate assumes for a mixture of
+// predicts, the data-parallel shard level (6), what is offloaded to host memory, the routing an estimate assumes for a mixture of
 // experts, and which parameters train (frozen ones, LoRA adapters). What a run is told (RunConfig,
 // config/run_config.h), what the estimator predicts (TrainSpec, estimate/estimator.h) and what the
 // planner proposes (Plan, plan/planner.h) are each a StepSettings plus fields of their own, so a
@@ -16,6 +16,7 @@
 #include "config/checkpoint_policy.h"
 #include "config/finetune.h"
 #include "config/moe_routing.h"
+#include "config/offload.h"
 #include "config/optimizer_kind.h"
 #include "config/precision.h"
 #include "config/shard_level.h"
@@ -34,6 +35,7 @@ struct StepSettings {
   ShardLevel shard = ShardLevel::none;
   MoeRouting routing;  // estimate, plan: the routing a mixture of experts is assumed to have
   Finetune finetune;   // which parameters train: all, all but frozen ones, or LoRA adapters
+  Offload offload = Offload::none;  // what lives in host memory (the optimizer's state and update)
 
   // This object as the step's settings alone, to assign or compare them whole.
   StepSettings& step() { return *this; }

@@ -5,11 +5,13 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 
 #include <atomic>
 #include <memory>
+#include <vector>
 
 #include "util/error.h"
 
@@ -135,6 +137,61 @@ std::vector<CudaLiveBlock> cuda_live_blocks(int device) {
     }
   }
   return out;
+}
+
+namespace {
+void check_cuda(cudaError_t rc, const char* what) {
+  if (rc != cudaSuccess) fail("{} failed: {}", what, cudaGetErrorString(rc));
+}
+}  // namespace
+
+struct CudaCopyStream::Impl {
+  c10::cuda::CUDAStream copies = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
+  std::vector<cudaEvent_t> marks;  // reused from one step to the next
+  size_t used = 0;
+  cudaEvent_t next() {
+    if (used == marks.size()) {
+      cudaEvent_t e = nullptr;
+      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      marks.push_back(e);
+    }
+    return marks[used++];
+  }
+};
+
+CudaCopyStream::CudaCopyStream() : impl_(std::make_unique<Impl>()) {}
+
+CudaCopyStream::~CudaCopyStream() {
+  for (cudaEvent_t e : impl_->marks) cudaEventDestroy(e);
+}
+
+void CudaCopyStream::after_compute() {
+  impl_->used = 0;
+  impl_->compute = c10::cuda::getCurrentCUDAStream();
+  cudaEvent_t e = impl_->next();
+  check_cuda(cudaEventRecord(e, impl_->compute.stream()), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(impl_->copies.stream(), e, 0), "cudaStreamWaitEvent");
+}
+
+int CudaCopyStream::queue(const std::function<void()>& copies) {
+  {
+    c10::cuda::CUDAStreamGuard guard(impl_->copies);
+    copies();
+  }
+  const auto mark = static_cast<int>(impl_->used);
+  check_cuda(cudaEventRecord(impl_->next(), impl_->copies.stream()), "cudaEventRecord");
+  return mark;
+}
+
+void CudaCopyStream::wait(int mark) {
+  check_cuda(cudaEventSynchronize(impl_->marks[static_cast<size_t>(mark)]), "cudaEventSynchronize");
+}
+
+void CudaCopyStream::before_compute() {
+  cudaEvent_t e = impl_->next();
+  check_cuda(cudaEventRecord(e, impl_->copies.stream()), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(impl_->compute.stream(), e, 0), "cudaStreamWaitEvent");
 }
 
 }  // namespace headroom

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,5 +72,29 @@ struct CudaLiveBlock {
 };
 // The allocated blocks of `device` that carry an origin.
 std::vector<CudaLiveBlock> cuda_live_blocks(int device);
+
+// A stream for copies between pinned host memory and the device beside the compute stream (optimizer
+// offload, optim/offload.h): the copies queued on it run while the compute stream and the host go
+// on. On the current device; one user at a time.
+class CudaCopyStream {
+ public:
+  CudaCopyStream();
+  ~CudaCopyStream();
+  CudaCopyStream(const CudaCopyStream&) = delete;
+  CudaCopyStream& operator=(const CudaCopyStream&) = delete;
+  // Copies queued from now wait for the work the compute stream has queued so far.
+  void after_compute();
+  // Runs `copies` with this stream current (the non-blocking copies it makes are queued here) and
+  // returns a mark of their end.
+  int queue(const std::function<void()>& copies);
+  // The host waits until the copies before `mark` are done.
+  void wait(int mark);
+  // The compute stream's later work waits for every copy queued here.
+  void before_compute();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace headroom

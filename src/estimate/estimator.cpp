@@ -41,6 +41,15 @@ nlohmann::json Estimate::to_json() const {
         {{"name", i.name}, {"category", sim::category_name(i.category)}, {"bytes", i.bytes}, {"formula", i.formula}});
   }
   j["items"] = items_json;
+  j["host_bytes"] = host_bytes;
+  if (!host_items.empty()) {
+    nlohmann::json host = nlohmann::json::array();
+    for (const auto& i : host_items) {
+      host.push_back(
+          {{"name", i.name}, {"category", sim::category_name(i.category)}, {"bytes", i.bytes}, {"formula", i.formula}});
+    }
+    j["host_items"] = host;
+  }
   nlohmann::json phases = nlohmann::json::object();
   for (Phase p : kStepPhases) phases[std::string(phase_name(p))] = phase_peaks[static_cast<size_t>(p)];
   j["phases"] = phases;
@@ -86,6 +95,13 @@ std::string Estimate::table() const {
                        i.formula);
   }
   out += fmt::format("{:<26} {:>11} {:>6}  in {}\n", "peak", format_bytes(peak_bytes), "100%", phase_name(peak_phase));
+  for (const auto& i : host_items) {
+    out += fmt::format("{:<26} {:>11} {:>6}  {}\n", i.name, format_bytes(i.bytes), "host", i.formula);
+  }
+  if (host_bytes > 0) {
+    out += fmt::format("{:<26} {:>11} {:>6}  not on the device: the offloaded optimizer's, at their own peak\n",
+                       "host memory", format_bytes(host_bytes), "host");
+  }
   if (experts) {
     const std::string assumed =
         experts->routing == "balanced" ? "balanced: each expert takes tokens·top_k/experts"
@@ -138,6 +154,10 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
     fail("--finetune {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: "
          "--finetune full with ranks, or one rank",
          spec.finetune.name(), spec.world);
+  }
+  if (spec.world > 1 && spec.offload != Offload::none) {
+    fail("--offload {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: one rank",
+         offload_name(spec.offload), spec.world);
   }
   replay::StepReplay step(model, spec);
   return step.run();

@@ -63,6 +63,9 @@ struct Estimate {
   Phase peak_phase = Phase::idle;
   std::array<int64_t, sim::kCategories> breakdown{};  // at the peak, by category
   std::vector<EstimateItem> items;                    // at the peak, largest first
+  // --offload optimizer: host memory at its own peak, and what it held (largest first).
+  int64_t host_bytes = 0;
+  std::vector<EstimateItem> host_items;
   std::array<int64_t, 6> phase_peaks{};               // indexed by Phase
   // Live bytes by category when the optimizer phase begins: the weights, the whole gradients and
   // the optimizer's state as the update finds them.
@@ -90,7 +93,8 @@ struct Estimate {
   // state and other (saved activations, weight copies, logits, loss, temporaries, allocator rounding).
   int64_t step_memory() const;
   // The contract: {"model": {"name", "params", "trainable_params"}, "peak_bytes", "peak_phase", "breakdown": {...}}, plus
-  // "items" (name, category, bytes, formula) and "phases" (peak per phase).
+  // "items" (name, category, bytes, formula), "phases" (peak per phase) and "host_bytes" (with
+  // "host_items" when there are any).
   nlohmann::json to_json() const;
   std::string table() const;
 };

@@ -144,6 +144,15 @@ TEST_P(EstimatorAccuracy, PredictsWhatTheTrainerMeasures) {
     EXPECT_EQ(update.at_peak.weights, at_update(sim::Category::weights)) << testing::describe(cfg);
     EXPECT_EQ(update.at_peak.gradients, at_update(sim::Category::gradients)) << testing::describe(cfg);
     EXPECT_EQ(update.at_peak.optimizer, at_update(sim::Category::optimizer)) << testing::describe(cfg);
+    // Offloaded: the host pool's peak in the step, exactly (the state, the host copies, and the
+    // update's host temporaries); nothing of the optimizer's on the device.
+    if (cfg.offload == Offload::optimizer) {
+      ASSERT_TRUE(step.host_peak_bytes) << testing::describe(cfg);
+      EXPECT_EQ(*step.host_peak_bytes, e.host_bytes) << testing::describe(cfg);
+      EXPECT_EQ(update.at_peak.optimizer, 0) << testing::describe(cfg);
+    } else {
+      EXPECT_EQ(e.host_bytes, 0) << testing::describe(cfg);
+    }
 
     // The step's peak: the estimate's own may be earlier, while the model is built (a float32
     // initialisation copy of a large frozen embedding can outweigh a LoRA step), which the trainer

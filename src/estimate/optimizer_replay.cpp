@@ -7,6 +7,7 @@
 #include <memory>
 #include <utility>
 
+#include "optim/offload.h"
 #include "optim/optimizer.h"
 
 namespace headroom::replay {
@@ -39,6 +40,7 @@ std::string OptimizerReplay::state_formula() const {
                 "moments, 8 B, under 4096 elements), a step counter per tensor";
       break;
   }
+  if (offloaded()) formula += ", in host memory (--offload optimizer)";
   if (dp_.sharded() && s_.optimizer != OptimizerKind::sgd) {
     formula += fmt::format(", of this rank's slices (ceil(n / {}) elements of each parameter)", s_.world);
   }
@@ -67,7 +69,19 @@ std::vector<Ref> OptimizerReplay::make_state(const CausalLM& shapes) {
         t.tensor = t.tensor.view(-1).narrow(0, 0, std::min(dp_.chunk(n), n));
       }
     }
-    const std::unique_ptr<Optimizer> real = make_optimizer(s_.optimizer, owned, options);
+    const std::unique_ptr<Optimizer> real = offloaded() ? make_offloaded_optimizer(s_.optimizer, owned, options)
+                                                        : make_optimizer(s_.optimizer, owned, options);
+    if (offloaded()) {
+      // Each parameter's host copy and gradient buffer first, then its optimizer's state.
+      const int copies = mem_.label("host parameter copies", Category::weights,
+                                    "--offload optimizer: each trained parameter's copy in host memory");
+      const int grads = mem_.label("host gradient copies", Category::gradients,
+                                   "--offload optimizer: each trained parameter's gradient, copied to the host");
+      const std::vector<at::Tensor> host = real->host_copies();
+      for (size_t i = 0; i < host.size(); ++i) {
+        state.push_back(mem_.allocate_host(static_cast<int64_t>(host[i].nbytes()), i % 2 == 0 ? copies : grads));
+      }
+    }
     int expert_st = -1;  // a mixture of experts' state, shown apart from the dense weights'
     for (const NamedTensor& t : real->state()) {
       int label = st;
@@ -75,10 +89,10 @@ std::vector<Ref> OptimizerReplay::make_state(const CausalLM& shapes) {
         if (expert_st < 0) expert_st = mem_.label("expert optimizer state", Category::optimizer, state_formula() + " (the experts' parameters)");
         label = expert_st;
       }
-      state.push_back(mem_.allocate(static_cast<int64_t>(t.tensor.nbytes()), label));
+      state.push_back(allocate(static_cast<int64_t>(t.tensor.nbytes()), label));
     }
     for (const at::Tensor& t : real->working_memory()) {
-      state.push_back(mem_.allocate(static_cast<int64_t>(t.nbytes()), working));
+      state.push_back(allocate(static_cast<int64_t>(t.nbytes()), working));
     }
   }
   return state;
@@ -87,7 +101,8 @@ std::vector<Ref> OptimizerReplay::make_state(const CausalLM& shapes) {
 void OptimizerReplay::update_temporaries() {
   clipping_temporaries();
   if (s_.optimizer_impl == OptimizerImpl::torch) torch_update_temporaries();
-  if (s_.optimizer == OptimizerKind::adafactor && ew_ != 4 && !s_.cuda) adafactor_temporaries();
+  // Offloaded, the update runs on the host's cpu whatever the device.
+  if (s_.optimizer == OptimizerKind::adafactor && ew_ != 4 && (!s_.cuda || offloaded())) adafactor_temporaries();
 }
 
 // Gradient clipping's norm: one partial per gradient, stacked, and the total (fp16: the scaler's
@@ -148,7 +163,7 @@ void OptimizerReplay::torch_update_temporaries() {
     tensors.push_back(gate_up);
     tensors.push_back(down);
   }
-  if (s_.cuda) {
+  if (s_.cuda && !offloaded()) {
     std::vector<Ref> roots, numerators;
     for (const int64_t n : tensors) roots.push_back(mem_.allocate(bytes_of(n), lbl));
     // Adagrad's foreach update also scales every gradient into a new tensor while the roots live.
@@ -159,9 +174,9 @@ void OptimizerReplay::torch_update_temporaries() {
   }
   Ref denominator;
   for (const int64_t n : tensors) {
-    Ref root = mem_.allocate(bytes_of(n), lbl);
+    Ref root = allocate(bytes_of(n), lbl);
     if (adam) {
-      Ref quotient = mem_.allocate(bytes_of(n), lbl);
+      Ref quotient = allocate(bytes_of(n), lbl);
       root.reset();
       denominator = std::move(quotient);  // the previous one goes as the name is rebound
     } else {
@@ -179,7 +194,7 @@ void OptimizerReplay::adafactor_temporaries() {
   for (const auto& name : order_) {
     if (!params_.at(name).t.requires_grad()) continue;
     const int64_t n = params_.at(name).t.numel, part = dp_.sharded() ? std::min(dp_.chunk(n), n) : n;
-    Ref upcast = mem_.allocate(part * 4, lbl), result = mem_.allocate(part * 4, lbl);
+    Ref upcast = allocate(part * 4, lbl), result = allocate(part * 4, lbl);
   }
 }
 

@@ -2,7 +2,9 @@
 // own optimizer class (optim/optimizer.h) allocates it when it is constructed (sharded: over this
 // rank's slices, as DataParallel hands them to it), its working memory, and what the update
 // allocates on top: the gradient-norm partials of clipping, torch.optim's denominators when its
-// update is the one run, and Adafactor's float32 copies of 2-byte parameters on the CPU.
+// update is the one run, and Adafactor's float32 copies of 2-byte parameters on the CPU. Offloaded
+// (--offload optimizer), the state, the update's temporaries and the host copies of the parameters
+// and gradients are host memory (sim::Memory::allocate_host), as optim/offload.h keeps them.
 //
 // The step (estimate/step_replay.h) makes the state before the first micro-batch and keeps it for
 // the step; update_temporaries() is the optimizer phase's own allocations, all released by its end.
@@ -33,6 +35,11 @@ class OptimizerReplay {
   void update_temporaries();
 
  private:
+  bool offloaded() const { return s_.offload == Offload::optimizer; }
+  // The optimizer's own memory: on the device, or in host memory when offloaded.
+  sim::Ref allocate(int64_t bytes, int label) {
+    return offloaded() ? mem_.allocate_host(bytes, label) : mem_.allocate(bytes, label);
+  }
   // The optimizer state's formula, for the table.
   std::string state_formula() const;
   void clipping_temporaries();

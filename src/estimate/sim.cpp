@@ -29,6 +29,7 @@ int Memory::label(const std::string& name, Category category, const std::string&
   }
   labels_.push_back({name, category, formula});
   by_label_.push_back(0);
+  host_by_label_.push_back(0);
   return static_cast<int>(labels_.size() - 1);
 }
 
@@ -49,6 +50,18 @@ Ref Memory::allocate(int64_t bytes, int label) {
   return std::make_shared<Buffer>(this, static_cast<int>(buffers_.size() - 1));
 }
 
+Ref Memory::allocate_host(int64_t bytes, int label) {
+  buffers_.push_back({bytes, label, 0, /*host=*/true});
+  host_live_ += bytes;
+  host_by_label_[static_cast<size_t>(label)] += bytes;
+  if (host_live_ > host_peak_.bytes) {
+    host_peak_.bytes = host_live_;
+    host_peak_.phase = phase_;
+    host_peak_.by_label = host_by_label_;
+  }
+  return std::make_shared<Buffer>(this, static_cast<int>(buffers_.size() - 1));
+}
+
 void Memory::relabel(const Ref& buffer, int label) {
   Slot& s = buffers_[static_cast<size_t>(buffer->id())];
   by_label_[static_cast<size_t>(s.label)] -= s.bytes;
@@ -58,6 +71,11 @@ void Memory::relabel(const Ref& buffer, int label) {
 
 void Memory::release(int id) {
   const Slot& s = buffers_[static_cast<size_t>(id)];
+  if (s.host) {
+    host_live_ -= s.bytes;
+    host_by_label_[static_cast<size_t>(s.label)] -= s.bytes;
+    return;
+  }
   events_.push_back({id, s.bytes, false});
   live_ -= s.bytes + s.padding;
   by_label_[static_cast<size_t>(s.label)] -= s.bytes;

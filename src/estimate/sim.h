@@ -68,6 +68,9 @@ class Memory {
  public:
   int label(const std::string& name, Category category, const std::string& formula = "");
   Ref allocate(int64_t bytes, int label);
+  // Host memory (optimizer offload, optim/offload.h): counted apart from the device's — not in
+  // live(), the peak or the events — with a peak of its own.
+  Ref allocate_host(int64_t bytes, int label);
   void relabel(const Ref& buffer, int label);
   // A phase's peak is at least what is live when it begins (zero_grad allocates nothing).
   void set_phase(Phase phase) {
@@ -90,6 +93,7 @@ class Memory {
     std::vector<int64_t> by_label;
   };
   const Peak& peak() const { return peak_; }
+  const Peak& host_peak() const { return host_peak_; }
   // Starts the peak over from what is live now (the operator table test measures one operator).
   void reset_peak() {
     peak_.bytes = live_;
@@ -118,6 +122,7 @@ class Memory {
     int64_t bytes = 0;
     int label = 0;
     int64_t padding = 0;  // rounding, counted under rounding_label_
+    bool host = false;    // allocate_host's
   };
   std::vector<Slot> buffers_;
   std::vector<Event> events_;
@@ -128,6 +133,9 @@ class Memory {
   int rounding_label_ = -1;
   Phase phase_ = Phase::idle;
   Peak peak_;
+  int64_t host_live_ = 0;
+  std::vector<int64_t> host_by_label_;
+  Peak host_peak_;
   std::array<int64_t, 6> phase_peaks_{};
 };
 

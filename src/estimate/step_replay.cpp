@@ -148,6 +148,13 @@ Estimate StepReplay::result(const CategoryBytes& at_update, size_t step_begin) c
     e.breakdown[static_cast<size_t>(labels[i].category)] += bytes;
     if (bytes > 0) e.items.push_back({labels[i].name, labels[i].category, bytes, labels[i].formula});
   }
+  const auto& host = mem_.host_peak();
+  e.host_bytes = host.bytes;
+  for (size_t i = 0; i < host.by_label.size(); ++i) {
+    if (host.by_label[i] > 0) e.host_items.push_back({labels[i].name, labels[i].category, host.by_label[i], labels[i].formula});
+  }
+  std::stable_sort(e.host_items.begin(), e.host_items.end(),
+                   [](const EstimateItem& a, const EstimateItem& b) { return a.bytes > b.bytes; });
   if (c_.moe) {
     Estimate::Experts x;
     x.experts = c_.moe->experts;

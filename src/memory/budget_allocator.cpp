@@ -35,8 +35,11 @@ BudgetAllocator& BudgetAllocator::install() {
   return *g_instance;
 }
 
+BudgetAllocator* BudgetAllocator::installed() { return g_instance; }
+
 void BudgetAllocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
+  host_peak_.store(host_live_bytes(), std::memory_order_relaxed);
   if (heap_ != nullptr) heap_->policy().reset_peaks();
   peak_.store(live_bytes(), std::memory_order_relaxed);
   peak_seq_.store(allocation_count(), std::memory_order_relaxed);
@@ -171,6 +174,7 @@ void BudgetAllocator::record(void* ptr, AllocationRecord rec) {
 
 c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   if (!accounting_.load(std::memory_order_relaxed)) return inner_->allocate(bytes);
+  if (pool() == MemoryPool::host) return allocate_host(bytes);
   const auto n = static_cast<int64_t>(bytes);
   if (fail_countdown_.load(std::memory_order_relaxed) > 0 && fail_countdown_.fetch_sub(1) == 1) {
     refuse(n, live_bytes(), budget_.load(), /*injected=*/true);
@@ -224,6 +228,24 @@ c10::DataPtr BudgetAllocator::allocate(size_t bytes) {
   return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
 }
 
+c10::DataPtr BudgetAllocator::allocate_host(size_t bytes) {
+  c10::DataPtr inner = inner_->allocate(bytes);
+  void* ptr = inner.get();
+  if (ptr == nullptr) return inner;
+  const auto n = static_cast<int64_t>(bytes);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(inner.get_context() == ptr, "BudgetAllocator: the wrapped CPU allocator uses contexts");
+    if (inner_deleter_ == nullptr) inner_deleter_ = inner.get_deleter();
+    TORCH_CHECK(inner.get_deleter() == inner_deleter_, "BudgetAllocator: the wrapped allocator's deleter varies");
+    host_records_.emplace(ptr, n);
+    const int64_t now = host_live_.fetch_add(n, std::memory_order_relaxed) + n;
+    if (now > host_peak_.load(std::memory_order_relaxed)) host_peak_.store(now, std::memory_order_relaxed);
+  }
+  inner.release_context();
+  return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
+}
+
 std::optional<c10::DataPtr> BudgetAllocator::allocate_cached(int64_t n) {
   AllocationRecord rec = new_record(n);
   std::optional<CachingOom> refused;
@@ -249,27 +271,32 @@ void BudgetAllocator::release(void* ptr) {
 }
 
 void BudgetAllocator::on_free(void* ptr) {
-  int64_t bytes = 0;
   c10::DeleterFnPtr deleter = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = records_.find(ptr);
     if (it == records_.end()) {
-      // Called from a deleter, which must not throw: a broken invariant ends the process plainly.
-      std::fprintf(stderr, "headroom: internal error: BudgetAllocator freeing %p, which it did not allocate\n", ptr);
-      std::abort();
-    }
-    bytes = it->second.bytes;
-    CachingHeap* heap = it->second.heap;
-    tagged_[it->second.tag] -= bytes;
-    records_.erase(it);
-    live_.fetch_sub(bytes, std::memory_order_relaxed);
-    if (heap != nullptr) {
-      heap->free(ptr);
-      if (heap != heap_.get() && heap->empty()) {
-        std::erase_if(retired_, [&](const auto& h) { return h.get() == heap; });  // its last block: unmapped
+      auto host = host_records_.find(ptr);
+      if (host == host_records_.end()) {
+        // Called from a deleter, which must not throw: a broken invariant ends the process plainly.
+        std::fprintf(stderr, "headroom: internal error: BudgetAllocator freeing %p, which it did not allocate\n", ptr);
+        std::abort();
       }
-      return;
+      host_live_.fetch_sub(host->second, std::memory_order_relaxed);
+      host_records_.erase(host);
+    } else {
+      const int64_t bytes = it->second.bytes;
+      CachingHeap* heap = it->second.heap;
+      tagged_[it->second.tag] -= bytes;
+      records_.erase(it);
+      live_.fetch_sub(bytes, std::memory_order_relaxed);
+      if (heap != nullptr) {
+        heap->free(ptr);
+        if (heap != heap_.get() && heap->empty()) {
+          std::erase_if(retired_, [&](const auto& h) { return h.get() == heap; });  // its last block: unmapped
+        }
+        return;
+      }
     }
     deleter = inner_deleter_;
   }

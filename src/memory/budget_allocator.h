@@ -21,6 +21,11 @@
 // allocated, reserved, active, inactive-split, retries and OOMs. Live and peak bytes stay what
 // tensors asked for in both. Switching leaves earlier blocks where they were allocated.
 //
+// A second pool, host memory (optimizer offload, optim/offload.h): while set_pool(host) is in force,
+// allocations are counted apart — host_live_bytes(), host_peak_bytes() — never against the budget,
+// never served by the caching heap, never failed by injection, and not among live_allocations():
+// the simulated device is what the rest of the allocator describes.
+//
 // Each live allocation has a record: size, a sequence number (the allocation count when it was
 // made), the step and phase it was made in, and, when enabled, a short native backtrace. Counters
 // are atomic, records sit behind a mutex; allocate and free may be called from any thread. The
@@ -45,6 +50,8 @@
 namespace headroom {
 
 inline constexpr int kMaxFrames = 12;
+
+enum class MemoryPool : uint8_t { device, host };
 
 struct AllocationRecord {
   int64_t bytes = 0;
@@ -90,6 +97,8 @@ class BudgetAllocator final : public c10::Allocator {
   // Installs the process-wide instance on first call (wrapping the current CPU allocator) and
   // returns it. Tensors allocated before installation are not counted, before or after.
   static BudgetAllocator& install();
+  // The process-wide instance when installed, else null.
+  static BudgetAllocator* installed();
 
   c10::DataPtr allocate(size_t bytes) override;
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -103,8 +112,14 @@ class BudgetAllocator final : public c10::Allocator {
   uint64_t allocation_count() const { return count_.load(std::memory_order_relaxed); }
   // The sequence number of the allocation that reached the current peak.
   uint64_t peak_sequence() const { return peak_seq_.load(std::memory_order_relaxed); }
-  // Peak restarts from the current live bytes.
+  // Peak restarts from the current live bytes (the host pool's too).
   void reset_peak();
+
+  // Where later allocations go, from any thread, until changed (memory/host_pool.h scopes it).
+  void set_pool(MemoryPool pool) { pool_.store(static_cast<uint8_t>(pool), std::memory_order_relaxed); }
+  MemoryPool pool() const { return static_cast<MemoryPool>(pool_.load(std::memory_order_relaxed)); }
+  int64_t host_live_bytes() const { return host_live_.load(std::memory_order_relaxed); }
+  int64_t host_peak_bytes() const { return host_peak_.load(std::memory_order_relaxed); }
 
   // nullopt: unlimited. A budget below the current live bytes only refuses new allocations. The
   // budget and fault injection apply only while accounting is on.
@@ -170,7 +185,8 @@ class BudgetAllocator final : public c10::Allocator {
   AllocationRecord new_record(int64_t bytes) const;  // size, context, tag, backtrace, origin
   [[noreturn]] void refuse(int64_t bytes, int64_t live, int64_t cap, bool injected,
                            std::optional<CachingOom> caching = std::nullopt);
-  std::optional<c10::DataPtr> allocate_cached(int64_t bytes);  // nullopt: no heap (caching just switched off)
+  std::optional<c10::DataPtr> allocate_cached(int64_t bytes);
+  c10::DataPtr allocate_host(size_t bytes);  // nullopt: no heap (caching just switched off)
   void observe(const TraceEvent& e);  // under mutex_
   void record(void* ptr, AllocationRecord rec);  // under mutex_: the record, count, histogram, peak
 
@@ -178,6 +194,7 @@ class BudgetAllocator final : public c10::Allocator {
   c10::DeleterFnPtr inner_deleter_ = nullptr;
   mutable std::mutex mutex_;
   std::unordered_map<const void*, AllocationRecord> records_;  // live allocations
+  std::unordered_map<const void*, int64_t> host_records_;      // live host-pool allocations, their bytes
   std::array<int64_t, 48> histogram_{};
   std::optional<OomEvent> last_oom_;
   std::atomic<int64_t> live_{0};
@@ -186,6 +203,9 @@ class BudgetAllocator final : public c10::Allocator {
   std::atomic<uint64_t> peak_seq_{0};
   TaggedBytes tagged_, peak_tagged_;  // under mutex_: live tagged bytes, now and when the peak was reached
   std::atomic<uint8_t> tag_{0};
+  std::atomic<uint8_t> pool_{0};
+  std::atomic<int64_t> host_live_{0};
+  std::atomic<int64_t> host_peak_{0};
   std::atomic<int64_t> budget_{-1};
   std::atomic<int64_t> step_{-1};
   std::atomic<uint8_t> phase_{0};

@@ -1,5 +1,7 @@
 #include "memory/budget_allocator.h"
 
+#include "memory/host_pool.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -59,6 +61,41 @@ TEST(BudgetAllocator, CountsTaggedAllocationsApartAndAtThePeak) {
   EXPECT_EQ(gathered(a.peak_tagged_bytes()), 0);
   worker.reset();  // freed after the tag changed: still taken off
   EXPECT_EQ(comm(a.tagged_bytes()), 0);
+}
+
+// The host pool (optimizer offload): what is allocated under a HostPoolScope is counted apart, with
+// its own peak, passes a full device budget, is not among the device's allocations, and is taken off
+// the host count when freed, whatever the pool is then.
+TEST(BudgetAllocator, CountsTheHostPoolApartFromTheDevice) {
+  auto& a = BudgetAllocator::install();
+  const int64_t live = a.live_bytes(), host = a.host_live_bytes();
+  const size_t records = a.live_allocations().size();
+  a.reset_peak();
+  a.set_budget(live + 1000);
+  at::Tensor state, scratch;
+  {
+    HostPoolScope scope;
+    state = at::empty({25'000}, at::kFloat);  // 100,000 bytes: 100x the device's room
+    {
+      HostPoolScope nested;
+      scratch = at::empty({500}, at::kDouble);  // 4,000
+    }
+    auto still_host = at::empty({10}, at::kFloat);  // the nested scope restored the host pool: 40 more
+    EXPECT_EQ(a.host_live_bytes() - host, 104'040);
+  }
+  auto device = at::empty({100}, at::kFloat);  // 400 bytes, on the device again
+  a.set_budget(std::nullopt);
+  EXPECT_EQ(a.live_bytes() - live, 400);
+  EXPECT_EQ(a.peak_bytes() - live, 400);
+  EXPECT_EQ(a.host_live_bytes() - host, 104'000);
+  EXPECT_EQ(a.host_peak_bytes() - host, 104'040);
+  EXPECT_EQ(a.live_allocations().size(), records + 1);
+  scratch.reset();
+  EXPECT_EQ(a.host_live_bytes() - host, 100'000);
+  a.reset_peak();
+  EXPECT_EQ(a.host_peak_bytes() - host, 100'000);
+  state.reset();
+  EXPECT_EQ(a.host_live_bytes(), host);
 }
 
 TEST(BudgetAllocator, RefusesAnAllocationPastTheBudget) {

@@ -52,6 +52,7 @@ class CpuProbe final : public MemoryProbe {
   int64_t live_bytes() const override { return a_.live_bytes(); }
   int64_t peak_bytes() const override { return a_.peak_bytes(); }
   void reset_peak() override { a_.reset_peak(); }
+  std::optional<int64_t> host_peak_bytes() const override { return a_.host_peak_bytes(); }
   void set_context(int64_t step, Phase phase) override { a_.set_context(step, phase); }
   std::optional<uint64_t> peak_sequence() const override { return a_.peak_sequence(); }
   void set_tag(AllocationTag tag) override { a_.set_tag(tag); }

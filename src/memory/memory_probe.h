@@ -54,6 +54,9 @@ class MemoryProbe {
   // Live bytes per tag now, and when the current peak was reached (zeros where not told apart).
   virtual TaggedBytes tagged_bytes() const { return {}; }
   virtual TaggedBytes peak_tagged_bytes() const { return {}; }
+  // The host pool's peak since the last reset_peak() (cpu: memory/host_pool.h), where the backend
+  // counts one.
+  virtual std::optional<int64_t> host_peak_bytes() const { return std::nullopt; }
   // The last refused allocation, where the backend knows it (cpu).
   virtual std::optional<OomEvent> last_oom() const { return std::nullopt; }
   virtual void clear_last_oom() {}

@@ -40,6 +40,13 @@ class Optimizer {
   // Any other state tensor has one element per element of what is updated, or is a step counter.
   virtual bool whole_parameter_state(const std::string& /*name*/) const { return false; }
 
+  // Whether state() and working_memory() are in host memory, not on the parameters' device
+  // (optim/offload.h).
+  virtual bool offloaded() const { return false; }
+  // Host memory an offloaded optimizer holds besides its state: its copies of the parameters and
+  // of their gradients.
+  virtual std::vector<at::Tensor> host_copies() const { return {}; }
+
   // Bytes held by state(), shared storage counted once.
   int64_t state_bytes() const;
 };

@@ -55,6 +55,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     int64_t batch, seq, accum;
     const char *precision, *attention, *optimizer, *checkpointing;
     const char* finetune = "full";
+    const char* offload = "none";
   };
   std::vector<Variant> variants = {
       {4, 32, 1, "fp32", "flash", "adamw", "none"},           {2, 64, 1, "fp32", "math", "sgd", "none"},
@@ -81,7 +82,8 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
                 {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=8,dropout=0.05,targets=q,k,v,o,gate,up,down"},
                 {2, 32, 1, "fp32", "flash", "adamw", "selective", "freeze:embed_tokens.weight,layers.0.*"},
                 {2, 32, 1, "bf16", "flash", "adamw", "full", "lora:r=16"},
-                {2, 32, 1, "bf16", "flash", "adamw8bit", "selective", "freeze:embed_tokens.weight"}};
+                {2, 32, 1, "bf16", "flash", "adamw8bit", "selective", "freeze:embed_tokens.weight"},
+                {2, 32, 1, "bf16", "flash", "adamw8bit", "none", "lora:r=8,targets=q,k,v,o", "optimizer"}};
   } else if (family.label == "qwen3_moe") {
     // At most 6 GB each (fp32 weights with AdamW would hold 11.8 GB: two tests run side by side).
     variants = {{4, 32, 1, "bf16", "flash", "adamw", "none"},
@@ -109,6 +111,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
   if (family.preset == "gpt2") {
     variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "none", "lora:r=16,targets=q,o,up,down"});
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw8bit", "none"});
+    variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "selective", "full", "optimizer"});
   }
   if (family.preset == "smollm-135m") {
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "freeze:embed_tokens.weight,layers.0.*"});
@@ -126,6 +129,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     cfg.optimizer = parse_optimizer(v.optimizer);
     cfg.checkpointing = parse_checkpoint_policy(v.checkpointing);
     cfg.finetune = parse_finetune(v.finetune);
+    cfg.offload = parse_offload(v.offload);
     cfg.device = "cpu";
     grid.push_back(cfg);
   }
@@ -139,12 +143,12 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
 // covers every optimizer, checkpointing policy, attention path and an accumulation of 2.
 inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   std::vector<size_t> keep;
-  if (family.preset == "gpt2") keep = {0, 3, 4, 8, 9};  // fp32 adamw; fp16-mixed momentum full; bf16 adafactor; LoRA; 8-bit
+  if (family.preset == "gpt2") keep = {0, 3, 4, 8, 9, 10};  // fp32 adamw; fp16-mixed momentum full; bf16 adafactor; LoRA; 8-bit; offload
   if (family.preset == "pythia-160m") keep = {1, 5, 7};  // math sgd; adagrad accum 2; bf16-mixed math accum 2
   if (family.preset == "smollm-135m") keep = {2, 6, 8};  // bf16-mixed adam selective; adamw full; frozen tied embedding
   if (family.preset == "qwen2.5-0.5b") keep = {1, 2};    // bf16-mixed math sgd selective; fp16-mixed adafactor full
   if (family.preset == "mistral-7b") keep = {0};         // math sgd at seq 32: the window of 16 masks
-  if (family.label == "qwen3") keep = {0, 1, 3, 4, 6};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit
+  if (family.label == "qwen3") keep = {0, 1, 3, 4, 6, 7};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit; offload
   if (family.label == "qwen3_moe") keep = {1, 2, 3};     // bf16-mixed (fp32 weights); bf16 math full, accum 2; LoRA
   if (family.label == "qwen3_moe_128_experts") keep = {0};  // all 128 experts, bf16
   if (family.label == "mixtral") keep = {0};             // bf16 sgd, windowed
@@ -166,9 +170,10 @@ inline std::vector<RunConfig> accuracy_grid() {
 }
 
 inline std::string describe(const RunConfig& c) {
-  return fmt::format("{} b{} s{} a{} {} {} {} {}{}", c.model, c.batch, c.seq, c.accum, precision_name(c.precision),
+  return fmt::format("{} b{} s{} a{} {} {} {} {}{}{}", c.model, c.batch, c.seq, c.accum, precision_name(c.precision),
                      attention_path_name(c.attention), optimizer_name(c.optimizer), c.checkpointing.name(),
-                     c.finetune.full() ? "" : " " + c.finetune.name());
+                     c.finetune.full() ? "" : " " + c.finetune.name(),
+                     c.offload == Offload::none ? "" : fmt::format(" offload {}", offload_name(c.offload)));
 }
 
 }  // namespace headroom::testing

@@ -13,9 +13,11 @@
 #include "memory/budget_allocator.h"
 #include "model/hf_weights.h"
 #include "model/peft_adapter.h"
+#include "optim/offload.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/size.h"
+#include "util/tensor_bytes.h"
 
 namespace headroom {
 namespace {
@@ -47,6 +49,14 @@ Run::~Run() {
     if (origins_) probe->record_origins(false);
   } catch (...) {  // nothing here may throw out of a destructor
   }
+}
+
+int64_t Run::host_bytes() const {
+  if (const auto pool = probe->host_peak_bytes()) return *pool;
+  std::vector<at::Tensor> host = optimizer->host_copies();
+  for (const NamedTensor& s : optimizer->state()) host.push_back(s.tensor);
+  for (const at::Tensor& t : optimizer->working_memory()) host.push_back(t);
+  return storage_bytes(host);
 }
 
 namespace {
@@ -205,8 +215,10 @@ void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> sli
     replicas->tag_allocations_with([probe = run.probe.get()](AllocationTag tag) { probe->set_tag(tag); });
   }
   // Frozen parameters have no optimizer state.
-  run.optimizer = make_optimizer(
-      cfg.optimizer, run.replicas ? run.replicas->optimizer_parameters() : run.model->trainable_parameters(), options);
+  const std::vector<NamedTensor> trained =
+      run.replicas ? run.replicas->optimizer_parameters() : run.model->trainable_parameters();
+  run.optimizer = cfg.offload == Offload::optimizer ? make_offloaded_optimizer(cfg.optimizer, trained, options)
+                                                    : make_optimizer(cfg.optimizer, trained, options);
 }
 
 // An out-of-memory while allocating the weights or the optimizer state, as the report says it.
@@ -254,6 +266,7 @@ TrackedTensors tracked_tensors(Run* r) {
                         },
                         [r] {
                           std::vector<at::Tensor> state;
+                          if (r->optimizer->offloaded()) return state;  // host memory: not the device's
                           for (const auto& s : r->optimizer->state()) state.push_back(s.tensor);
                           for (const auto& t : r->optimizer->working_memory()) state.push_back(t);
                           return state;

@@ -64,6 +64,9 @@ struct Run {
   int ranks() const { return comm ? comm->size() : 1; }
   // cuda with RunConfig::leak_origins: allocations are tagged with their step and phase.
   bool records_origins() const { return origins_; }
+  // --offload optimizer: host memory at its peak since the probe's last reset (cpu: the host pool),
+  // else what the optimizer's host tensors hold (cuda: pinned memory the probe does not see).
+  int64_t host_bytes() const;
 
  private:
   bool history_ = false, origins_ = false;  // cuda recording this run switched on

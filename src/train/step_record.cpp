@@ -17,6 +17,7 @@ nlohmann::json StepRecord::to_json() const {
   if (rank) j["rank"] = *rank;
   if (reserved_bytes) j["reserved_bytes"] = *reserved_bytes;
   if (peak_reserved_bytes) j["peak_reserved_bytes"] = *peak_reserved_bytes;
+  if (host_peak_bytes) j["host_peak_bytes"] = *host_peak_bytes;
   if (peak_inactive_split_bytes) j["peak_inactive_split_bytes"] = *peak_inactive_split_bytes;
   j["peak_phase"] = std::string(phase_name(memory.peak_phase));
   j["phases"] = memory.to_json();

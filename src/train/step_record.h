@@ -23,6 +23,9 @@ struct StepRecord {
   // A caching allocator's (cuda; cpu with --allocator caching): reserved after the step, the step's
   // highest, and the most free bytes stranded inside split segments.
   std::optional<int64_t> reserved_bytes, peak_reserved_bytes, peak_inactive_split_bytes;
+  // --offload optimizer: host memory at its peak in the step (cpu: the host pool's; cuda: the
+  // optimizer's host tensors).
+  std::optional<int64_t> host_peak_bytes;
   double lr = 0;
   double grad_norm = 0;
   int64_t batch = 0;  // micro-batch the step ran with

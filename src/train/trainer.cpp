@@ -258,6 +258,7 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   r.reserved_bytes = r.memory.reserved;
   r.peak_reserved_bytes = r.memory.peak_reserved;
   r.peak_inactive_split_bytes = r.memory.peak_inactive_split;
+  if (run.optimizer->offloaded()) r.host_peak_bytes = run.host_bytes();
   r.lr = run.schedule.at(step);
   r.grad_norm = g.outcome.grad_norm;
   r.batch = g.micro;
@@ -305,6 +306,7 @@ TrainSummary summarize(const Run& run, int64_t start, const std::vector<StepReco
   for (const StepRecord& r : steps) {
     s.peak_bytes = std::max(s.peak_bytes, r.peak_bytes);
     if (r.peak_reserved_bytes) s.peak_reserved_bytes = std::max(s.peak_reserved_bytes.value_or(0), *r.peak_reserved_bytes);
+    if (r.host_peak_bytes) s.host_bytes = std::max(s.host_bytes.value_or(0), *r.host_peak_bytes);
     step_seconds += r.seconds;
     tokens += r.tokens;
   }

@@ -32,6 +32,7 @@ struct TrainSummary {
   double tokens_per_s = 0;  // over the steps this process ran
   int64_t peak_bytes = 0;   // over the steps this process ran
   std::optional<int64_t> peak_reserved_bytes;  // caching allocators: reserved, over the same steps
+  std::optional<int64_t> host_bytes;           // --offload optimizer: host memory at its peak, over the same steps
   double seconds = 0;
   // The allocations made during the steps (after the first two) still alive when the run ended, by
   // site (cpu; cuda with RunConfig::leak_origins)
