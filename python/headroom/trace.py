@@ -11,6 +11,10 @@ was running (``-1``: none), so that :mod:`headroom.blocks` can repeat a block's 
 depth. The tag comes from :meth:`StorageTrace.set_block` (forward and backward hooks) or, in the
 optimizer and ``zero_grad`` phases, from the parameter an operator works on.
 
+Another library's operator (``torch.ops.bitsandbytes.*``) whose cpu kernel is written in ATen's is
+run with the trace on, so its allocations are seen one by one (real tensors only: a fake tensor has
+no kernel to open).
+
 What a kernel allocates inside itself and frees before returning (a cpu kernel's scratch) is not a
 storage any operator returns: with ``probe_scratch`` the kernels known to allocate much of it on
 the cpu are measured (:mod:`headroom.kernels`, each shape once) and recorded as a transient
@@ -44,6 +48,20 @@ MIXED = -3  # the tag after a foreach operator, which reads every block's tensor
 
 # An event: (storage id, bytes, allocated, phase index, block tag).
 Event = Tuple[int, int, bool, int, int]
+
+
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_OWN_NAMESPACES = ("aten", "prims", "profiler", "_c10d_functional", "c10d")
+
+
+def _opens_up(func, args, kwargs) -> bool:
+    """Whether ``func`` is another library's operator with a cpu kernel, called on real cpu tensors."""
+    if func.namespace in _OWN_NAMESPACES:
+        return False
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not tensors or any(isinstance(t, FakeTensor) or t.device.type != "cpu" for t in tensors):
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CPU")
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -204,6 +222,11 @@ class StorageTrace(TorchDispatchMode):
         self._sum = None
         if func in kernels.META_NEEDS_BF16 and any(isinstance(t, FakeTensor) for t in tree_flatten(args)[0]):
             out = kernels.via_bf16_meta(func, args, kwargs)
+        elif _opens_up(func, args, kwargs):
+            # A library's own operator (bitsandbytes' 8-bit update) whose cpu kernel is made of
+            # ATen's: run that kernel with the trace on, so that what it allocates inside is seen.
+            with self:
+                out = func.redispatch(_CPU, *args, **kwargs)
         else:
             out = func(*args, **kwargs)
         if not self.by_param:

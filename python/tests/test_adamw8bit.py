@@ -50,3 +50,35 @@ def test_the_update_follows_adamw_as_bitsandbytes_does():
     theirs_state = bnb_opt.state[theirs]
     assert theirs_state["state1"].dtype == torch.uint8 and theirs_state["absmax1"].numel() == 32768 // 256
     assert mine.state_bytes() == 2 * 32768 + 2 * 4 * (32768 // 2048) + 4
+
+
+def test_the_any_model_estimate_of_bitsandbytes_adamw8bit_matches_its_measured_step():
+    """A user's own model with bitsandbytes' AdamW8bit through `import headroom`: the 8-bit update is
+    bitsandbytes' own operator, whose cpu kernel dequantises every state to float32 and back; the
+    trace opens it, so the optimizer phase's peak is predicted as measured, and the state it counts
+    is what the optimizer really holds after a step."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=1,
+                                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                      vocab_size=151936, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, config.vocab_size, (2, 32))
+    inputs = {"input_ids": ids, "labels": ids}
+
+    def make(params):
+        return bnb.optim.AdamW8bit(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+    predicted = headroom.estimate(model, inputs, optimizer=make)
+    measured = headroom.measure(model, inputs, optimizer=make)
+    assert predicted["peak_phase"] == measured["peak_phase"] == "optimizer"
+    assert abs(predicted["peak_bytes"] - measured["peak_bytes"]) <= 0.01 * measured["peak_bytes"]
+    # The state, counted independently: one real step's state tensors.
+    opt = make(list(model.parameters()))
+    model(**inputs).loss.backward()
+    opt.step()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the quantisation maps are shared
+                for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+    held = sum(storages.values())
+    # Less the two 256-value float32 maps, which AdamW8bit makes when it is constructed, not in a step.
+    assert predicted["breakdown"]["optimizer"] == held - 2 * 256 * 4

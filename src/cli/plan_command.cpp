@@ -23,6 +23,7 @@ struct PlanOptions {
   int64_t global_batch = 0;
   double margin = 0.05;
   bool allow_optimizer_change = false;
+  std::vector<std::string> allow;  // --allow: optimizer, adamw8bit, offload
   bool calibrate = true;
   int64_t top = 10;
   std::string emit;  // "hf", "torch" or "toml": the best plan as settings to paste
@@ -61,6 +62,11 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
   r.budget = device_budget(cfg, command);
   r.margin = o.margin;
   r.allow_optimizer_change = o.allow_optimizer_change;
+  for (const std::string& lever : o.allow) {
+    if (lever == "optimizer") r.allow_optimizer_change = true;
+    if (lever == "adamw8bit") r.allow_adamw8bit = true;
+    if (lever == "offload") r.allow_offload = true;
+  }
   return r;
 }
 
@@ -69,9 +75,12 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
       "no plan fits {} (less the {:.0f}% margin): the smallest predicted peak is {} ({}); other levers: {}a shorter "
       "--seq, or a larger budget",
       format_bytes(r.budget), 100 * r.margin, format_bytes(result.smallest_peak), result.smallest_peak_plan,
-      r.allow_optimizer_change     ? ""
-      : can_allow_optimizer_change ? "a lighter optimizer (--allow-optimizer-change), "
-                                   : "a lighter --optimizer (adafactor, sgd), "));
+      r.allow_optimizer_change ? ""
+      : can_allow_optimizer_change
+          ? fmt::format("{}{}a lighter optimizer (--allow optimizer), ",
+                        r.allow_adamw8bit || !is_adam_family(r.base.optimizer) ? "" : "8-bit states (--allow adamw8bit), ",
+                        r.allow_offload || world_size_of(r.base) > 1 ? "" : "the optimizer in host memory (--allow offload), ")
+          : "a lighter --optimizer (adafactor, sgd), 8-bit states (--optimizer adamw8bit), --offload optimizer, "));
 }
 
 }  // namespace
@@ -96,8 +105,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
   CLI::App* cmd = app.add_subcommand(
       "plan",
       "Rank the ways to train --global-batch sequences per step within the memory budget: micro-batch x\n"
-      "accumulation, precision, checkpointing and attention (the optimizer only with\n"
-      "--allow-optimizer-change), peak predicted by the estimator, step time by a cost model calibrated\n"
+      "accumulation, precision, checkpointing and attention (the optimizer, its 8-bit states and its offload\n"
+      "to host memory only where --allow lists them), peak predicted by the estimator, step time by a cost\n"
+      "model calibrated\n"
       "with a few timed steps on this machine. With --world-size N (data parallel under torchrun) the\n"
       "global batch is split over N ranks, peaks are per rank, and the shard level (none, optimizer,\n"
       "gradients, full) is a lever, its collectives costed at an assumed link speed; nothing is launched (the\n"
@@ -111,8 +121,13 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--margin", o->margin, "fraction of the budget kept free (default 0.05)")
       ->check(CLI::Range(0.0, 0.9));
-  cmd->add_flag("--allow-optimizer-change", o->allow_optimizer_change,
-                "also consider other optimizers (they change the training dynamics)");
+  cmd->add_option("--allow", o->allow,
+                  "levers the planner may also use, comma-separated: optimizer (any other optimizer: they change\n"
+                  "the training dynamics), adamw8bit (Adam's or AdamW's update with 8-bit states), offload (the\n"
+                  "optimizer's state and update in host memory, one process)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"optimizer", "adamw8bit", "offload"}));
+  cmd->add_flag("--allow-optimizer-change", o->allow_optimizer_change, "the same as --allow optimizer");
   cmd->add_flag("!--no-calibrate", o->calibrate, "rank by FLOPs alone, without timing steps on this machine");
   cmd->add_option("--emit", o->emit,
                   "also print the best plan as settings to paste: hf (transformers TrainingArguments and\n"
@@ -144,15 +159,17 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,
                    format_bytes(r.budget), 100 * r.margin);
         const bool ranks = world_size_of(cfg) > 1;
-        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{:>11} {:>10}\n", "micro", "accum", "precision",
-                   "checkpoint", "attn", "optimizer", ranks ? fmt::format("{:<10} ", "shard") : "",
-                   ranks ? "peak/rank" : "peak", "step time");
+        const bool offloads = r.allow_offload || r.base.offload != Offload::none;
+        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{}{:>11} {:>10}\n", "micro", "accum", "precision",
+                   "checkpoint", "attn", "optimizer", offloads ? fmt::format("{:<10} ", "offload") : "",
+                   ranks ? fmt::format("{:<10} ", "shard") : "", ranks ? "peak/rank" : "peak", "step time");
         const size_t n = std::min<size_t>(result.plans.size(), static_cast<size_t>(o->top));
         for (size_t i = 0; i < n; ++i) {
           const Plan& p = result.plans[i];
-          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{:>11} {:>9.2f}x\n", p.batch, p.accum,
+          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{}{:>11} {:>9.2f}x\n", p.batch, p.accum,
                      precision_name(p.precision), p.checkpointing.name(), attention_path_name(p.attention),
-                     optimizer_name(p.optimizer), ranks ? fmt::format("{:<10} ", shard_level_name(p.shard)) : "",
+                     optimizer_name(p.optimizer), offloads ? fmt::format("{:<10} ", offload_name(p.offload)) : "",
+                     ranks ? fmt::format("{:<10} ", shard_level_name(p.shard)) : "",
                      format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
         }
         if (!o->emit.empty()) {

@@ -102,6 +102,17 @@ std::optional<CostModel> CostModel::calibrate(const RunConfig& base, const std::
   return m;
 }
 
+double CostModel::state_lever_seconds(int64_t trainable_params, Precision precision, OptimizerKind optimizer,
+                                      Offload offload) const {
+  const auto n = static_cast<double>(trainable_params);
+  double seconds = optimizer == OptimizerKind::adamw8bit ? n * kQuantisedUpdateSeconds : 0.0;
+  if (offload == Offload::optimizer) {
+    const double bytes = n * (precision == Precision::bf16 ? 2.0 : 4.0);
+    seconds += 2 * bytes / kHostLinkBytesPerSecond + n * kHostUpdateSeconds;
+  }
+  return seconds;
+}
+
 double CostModel::communication_seconds(const ModelConfig& model, Precision precision, int64_t world,
                                         ShardLevel shard, int64_t accum) const {
   if (world <= 1) return 0;

@@ -60,6 +60,16 @@ class CostModel {
   double communication_seconds(const ModelConfig& model, Precision precision, int64_t world, ShardLevel shard,
                                int64_t accum) const;
   static constexpr double kLinkBytesPerSecond = 5e9;
+  // What the state levers add to a step, over the update of the optimizer they replace (not
+  // measured; assumed constants): adamw8bit's blockwise loop, kQuantisedUpdateSeconds per trained
+  // parameter; an offloaded optimizer, its gradients copied to the host and its parameters back over
+  // kHostLinkBytesPerSecond (pinned PCIe), and its update on the host's cores at
+  // kHostUpdateSeconds per parameter. 0 for neither.
+  double state_lever_seconds(int64_t trainable_params, Precision precision, OptimizerKind optimizer,
+                             Offload offload) const;
+  static constexpr double kQuantisedUpdateSeconds = 4e-9;
+  static constexpr double kHostLinkBytesPerSecond = 2e10;
+  static constexpr double kHostUpdateSeconds = 2e-9;
   static constexpr double kCollectiveLatencySeconds = 50e-6;
   bool calibrated() const { return !fits_.empty(); }
   const std::map<Precision, StepTimeFit>& fits() const { return fits_; }

@@ -13,6 +13,7 @@ const char* lever_name(Lever lever) {
     case Lever::checkpointing: return "checkpointing";
     case Lever::attention: return "attention";
     case Lever::optimizer: return "optimizer";
+    case Lever::offload: return "offload";
     case Lever::shard: return "shard";
   }
   return "?";
@@ -40,14 +41,28 @@ std::vector<ShardLevel> shard_settings(int64_t world) {
 
 std::vector<AttentionPath> attention_settings() { return {AttentionPath::flash, AttentionPath::math}; }
 
-std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change) {
+std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change, bool allow_8bit) {
   std::vector<OptimizerKind> out = {given};
-  if (!allow_change) return out;
-  for (OptimizerKind k : {OptimizerKind::adamw, OptimizerKind::adam, OptimizerKind::adafactor, OptimizerKind::momentum,
-                          OptimizerKind::sgd, OptimizerKind::adagrad}) {
-    if (k != given) out.push_back(k);
+  if (allow_change) {
+    for (OptimizerKind k : {OptimizerKind::adamw, OptimizerKind::adam, OptimizerKind::adafactor, OptimizerKind::momentum,
+                            OptimizerKind::sgd, OptimizerKind::adagrad}) {
+      if (k != given) out.push_back(k);
+    }
+  }
+  if ((allow_change || allow_8bit) && is_adam_family(given) && given != OptimizerKind::adamw8bit) {
+    out.push_back(OptimizerKind::adamw8bit);
   }
   return out;
+}
+
+std::vector<Offload> offload_settings(Offload given, bool allow, int64_t world) {
+  if (!allow || world > 1) return {given};
+  return given == Offload::none ? std::vector<Offload>{Offload::none, Offload::optimizer}
+                                : std::vector<Offload>{given, Offload::none};
+}
+
+bool trainable_where(OptimizerKind optimizer, Offload offload, bool cuda) {
+  return !(cuda && optimizer == OptimizerKind::adamw8bit && offload != Offload::optimizer);
 }
 
 std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& model) {
@@ -92,12 +107,18 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
     }
     add(Lever::optimizer, optimizer_name(o), note, [o](RunConfig& c) { c.optimizer = o; });
   }
-  // The same update with 8-bit moments (cpu only in this version: the trainer's loop).
-  if (is_adam_family(cfg.optimizer) && cfg.device.rfind("cuda", 0) != 0 &&
-      !(cfg.device == "auto" && resolve_device(cfg.device).is_cuda())) {
+  // The same update with 8-bit moments (its loop runs on the cpu: on cuda only offloaded).
+  const bool cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
+  if (is_adam_family(cfg.optimizer) && cfg.optimizer != OptimizerKind::adamw8bit &&
+      trainable_where(OptimizerKind::adamw8bit, cfg.offload, cuda)) {
     add(Lever::optimizer, optimizer_name(OptimizerKind::adamw8bit),
         "AdamW's update with blockwise 8-bit moments: about 2 B of state per parameter instead of 8",
         [](RunConfig& c) { c.optimizer = OptimizerKind::adamw8bit; });
+  }
+  if (cfg.offload == Offload::none && world_size_of(cfg) == 1 && cfg.optimizer != OptimizerKind::sgd) {
+    add(Lever::offload, "optimizer",
+        "the optimizer's state and update in host memory: each step copies the gradients down and the parameters up",
+        [](RunConfig& c) { c.offload = Offload::optimizer; });
   }
   return out;
 }

@@ -1,6 +1,6 @@
 // Levers — the one table of what headroom can change about a run to make it fit: gradient
 // accumulation (lever 3), precision (4), activation checkpointing (5), the attention path, the
-// optimizer (8) and, with several data-parallel ranks, the shard level (6). The planner enumerates its candidates from it, the doctor tries each change it
+// optimizer (8) with its 8-bit states and host offload and, with several data-parallel ranks, the shard level (6). The planner enumerates its candidates from it, the doctor tries each change it
 // lists, and the OOM advice names them; a new setting joins here and nowhere else.
 #pragma once
 
@@ -14,7 +14,7 @@
 
 namespace headroom {
 
-enum class Lever { accumulation, precision, checkpointing, attention, optimizer, shard };
+enum class Lever { accumulation, precision, checkpointing, attention, optimizer, offload, shard };
 const char* lever_name(Lever lever);
 
 // The settings of each lever, as the planner enumerates them.
@@ -29,8 +29,14 @@ std::vector<AttentionPath> attention_settings();
 // Shard levels for `world` data-parallel ranks: none alone for one rank; else none, optimizer,
 // gradients and full.
 std::vector<ShardLevel> shard_settings(int64_t world);
-// The optimizers from the given one: only it, or (allow_change) every kind, the given one first.
-std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change);
+// The optimizers from the given one: only it, or (allow_change) every kind, the given one first;
+// with allow_8bit, adamw8bit too where the given one is Adam or AdamW (the same update).
+std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change, bool allow_8bit = false);
+// What may be offloaded: the given setting, or (allow) none and the optimizer with one rank.
+std::vector<Offload> offload_settings(Offload given, bool allow, int64_t world);
+// Whether a run of these settings can train at all where `cuda` says: adamw8bit's update runs on
+// the cpu, so on cuda only offloaded.
+bool trainable_where(OptimizerKind optimizer, Offload offload, bool cuda);
 
 // One change of one lever from a run's configuration.
 struct LeverChange {
@@ -44,7 +50,8 @@ struct LeverChange {
 // Each single-lever change worth trying from `config` (of `model`), in lever order:
 // accumulation at a half and a quarter of the micro-batch (same global batch), every other
 // precision, every other checkpointing policy, the other attention path, and the optimizers with
-// less state (adafactor, sgd) — or, for adam and adamw, the other one, which holds the same state.
+// less state (adafactor, sgd) — or, for adam and adamw, the other one, which holds the same state —
+// their 8-bit states, and the optimizer offloaded to host memory (one process).
 std::vector<LeverChange> lever_changes(const RunConfig& config, const ModelConfig& model);
 
 }  // namespace headroom

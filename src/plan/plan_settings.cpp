@@ -23,6 +23,20 @@ const char* hf_optim(OptimizerKind k) {
   return "adamw_torch";
 }
 
+// The class and keyword arguments CPUOffloadOptimizer takes for each kind.
+const char* torch_optimizer_class(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::sgd: return "torch.optim.SGD";
+    case OptimizerKind::momentum: return "torch.optim.SGD, momentum=0.9";
+    case OptimizerKind::adam: return "torch.optim.Adam";
+    case OptimizerKind::adamw: return "torch.optim.AdamW, weight_decay=0.1";
+    case OptimizerKind::adagrad: return "torch.optim.Adagrad";
+    case OptimizerKind::adafactor: return "torch.optim.Adafactor";
+    case OptimizerKind::adamw8bit: return "bitsandbytes.optim.AdamW8bit, weight_decay=0.1";
+  }
+  return "?";
+}
+
 const char* torch_optimizer(OptimizerKind k) {
   switch (k) {
     case OptimizerKind::sgd: return "torch.optim.SGD(model.parameters(), lr=lr)";
@@ -60,6 +74,12 @@ nlohmann::json training_arguments(const Plan& p) {
     notes.push_back(fmt::format(
         "checkpointing {}: transformers checkpoints every layer; its peak is lower and its step slower than planned",
         p.checkpointing.name()));
+  }
+  if (p.offload == Offload::optimizer) {
+    notes.push_back(
+        "offload optimizer has no TrainingArguments setting: pass optimizers=(torchao.optim.CPUOffloadOptimizer("
+        "model.parameters(), torch.optim.AdamW), None) to Trainer, or use DeepSpeed's "
+        "zero_optimization.offload_optimizer {\"device\": \"cpu\", \"pin_memory\": true}");
   }
   if (p.world > 1) {
     notes.push_back(fmt::format("launch with torchrun --nproc-per-node {}; the batch sizes are per rank", p.world));
@@ -99,7 +119,14 @@ std::string torch_loop_code(const Plan& p, const std::string& device) {
             ? "every layer's attention block"
             : fmt::format("layers 0, {0}, 2*{0}, ...", p.checkpointing.every));
   }
-  out += fmt::format("optimizer = {}\n", torch_optimizer(p.optimizer));
+  if (p.offload == Offload::optimizer) {
+    out += fmt::format(
+        "# offload optimizer: the state and update in host memory (pip install torchao)\n"
+        "optimizer = torchao.optim.CPUOffloadOptimizer(model.parameters(), {})\n",
+        torch_optimizer_class(p.optimizer));
+  } else {
+    out += fmt::format("optimizer = {}\n", torch_optimizer(p.optimizer));
+  }
   const bool mixed = p.precision == Precision::bf16_mixed || p.precision == Precision::fp16_mixed;
   const char* dtype = p.precision == Precision::fp16_mixed ? "torch.float16" : "torch.bfloat16";
   if (p.precision == Precision::fp16_mixed) out += fmt::format("scaler = torch.amp.GradScaler(\"{}\")\n", device);

@@ -19,6 +19,7 @@ nlohmann::json Plan::to_json() const {
           {"checkpointing", checkpointing.name()},
           {"optimizer", optimizer_name(optimizer)},
           {"attention", attention_path_name(attention)},
+          {"offload", offload_name(offload)},
           {"shard", shard_level_name(shard)},
           {"world_size", world},
           {"predicted_peak_bytes", predicted_peak_bytes},
@@ -27,9 +28,9 @@ nlohmann::json Plan::to_json() const {
 }
 
 std::string Plan::describe() const {
-  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}", batch, accum,
+  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}{}", batch, accum,
                      precision_name(precision), checkpointing.name(), attention_path_name(attention),
-                     optimizer_name(optimizer),
+                     optimizer_name(optimizer), offload == Offload::none ? "" : " offloaded to host memory",
                      world > 1 ? fmt::format(", on each of {} ranks with --shard {}", world, shard_level_name(shard))
                                : "");
 }
@@ -77,7 +78,10 @@ PlanResult fitting_plans(const PlanRequest& r) {
     for (Precision precision : precision_settings(r.base.precision)) {
       for (const CheckpointPolicy& checkpointing : checkpoint_settings(model)) {
         for (AttentionPath attention : attention_settings()) {
-          for (OptimizerKind optimizer : optimizer_settings(r.base.optimizer, r.allow_optimizer_change)) {
+          for (OptimizerKind optimizer :
+               optimizer_settings(r.base.optimizer, r.allow_optimizer_change, r.allow_adamw8bit)) {
+            for (Offload offload : offload_settings(r.base.offload, r.allow_offload, world)) {
+            if (!trainable_where(optimizer, offload, base_spec.cuda)) continue;
             for (ShardLevel shard : shard_settings(world)) {
               TrainSpec spec = base_spec;
               spec.batch = micro;
@@ -86,6 +90,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
               spec.checkpointing = checkpointing;
               spec.attention = attention;
               spec.optimizer = optimizer;
+              spec.offload = offload;
               spec.world = world;
               spec.shard = shard;
               const Estimate e = estimate(model, spec);
@@ -96,11 +101,13 @@ PlanResult fitting_plans(const PlanRequest& r) {
               p.step() = spec.step();
               p.world = world;
               p.predicted_peak_bytes = peak;
+              p.trainable_params = e.trainable_params;
               if (out.smallest_peak < 0 || peak < out.smallest_peak) {
                 out.smallest_peak = peak;
                 out.smallest_peak_plan = p.describe();
               }
               if (static_cast<double>(peak) <= limit && segments_fit) out.plans.push_back(p);
+            }
             }
           }
         }
@@ -121,7 +128,8 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
   for (Plan& p : plans.plans) {
     p.predicted_step_seconds = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
                                                  p.checkpointing, p.attention) +
-                               cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum);
+                               cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) +
+                               cost.state_lever_seconds(p.trainable_params, p.precision, p.optimizer, p.offload);
   }
   // Ties (an uncalibrated model sees only FLOPs; float sums differ in the last bits): fewer, larger
   // micro-batches, then the smaller peak.

@@ -26,6 +26,7 @@ namespace headroom {
 struct Plan : StepSettings {
   int64_t world = 1;  // data-parallel ranks; batch and accum are per rank
   int64_t predicted_peak_bytes = 0;  // per rank
+  int64_t trainable_params = 0;      // what the update touches (the state levers' cost)
   double predicted_step_seconds = 0;
   double predicted_step_time_ratio = 1;  // to the best plan's
   nlohmann::json to_json() const;
@@ -38,7 +39,9 @@ struct PlanRequest {
   int64_t global_batch = 0;  // sequences per optimizer step, over all ranks (world_size_of(base))
   int64_t budget = 0;        // bytes
   double margin = 0.05;      // kept free of the budget, for what the estimator cannot see
-  bool allow_optimizer_change = false;
+  bool allow_optimizer_change = false;  // any optimizer (they change the training dynamics)
+  bool allow_adamw8bit = false;         // Adam's or AdamW's update with 8-bit states (--allow adamw8bit)
+  bool allow_offload = false;           // the optimizer in host memory (--allow offload)
 };
 
 struct PlanResult {

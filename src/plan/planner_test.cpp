@@ -81,6 +81,54 @@ TEST(Planner, OtherOptimizersOnlyWhenAllowedAndNothingFittingIsExplained) {
   EXPECT_NE(none.smallest_peak_plan.find("micro-batch 1"), std::string::npos) << none.smallest_peak_plan;
 }
 
+// The state levers at gpt2's real width and vocabulary (depth 2): a budget just under the smallest
+// peak of every plan without them is met only by plans that --allow offload or adamw8bit; the top
+// one trains under it, with the optimizer's state in host memory. With room to spare, neither is
+// chosen: they cost time and change nothing else.
+TEST(Planner, OffloadsOrQuantisesTheStateOnlyWhenAllowedAndNeeded) {
+  PlanRequest r;
+  r.base.model = "gpt2";
+  r.base.overrides = {"n_layer=2"};
+  r.base.seq = 32;
+  r.base.device = "cpu";
+  r.base.eval_rows = 0;
+  r.base.quiet = true;
+  r.global_batch = 4;
+  r.margin = 0;
+  r.budget = int64_t{1} << 40;
+  const int64_t without = fitting_plans(r).smallest_peak;
+  r.allow_offload = r.allow_adamw8bit = true;
+  PlanResult roomy = fitting_plans(r);
+  rank_plans(roomy, r, CostModel::flops_only());
+  ASSERT_FALSE(roomy.plans.empty());
+  EXPECT_EQ(roomy.plans.front().offload, Offload::none) << roomy.plans.front().describe();
+  EXPECT_EQ(roomy.plans.front().optimizer, OptimizerKind::adamw) << roomy.plans.front().describe();
+
+  r.budget = without - 1;
+  r.allow_offload = r.allow_adamw8bit = false;
+  EXPECT_TRUE(fitting_plans(r).plans.empty());
+  r.allow_offload = true;
+  PlanResult tight = fitting_plans(r);
+  ASSERT_FALSE(tight.plans.empty());
+  for (const Plan& p : tight.plans) EXPECT_EQ(p.offload, Offload::optimizer) << p.describe();
+  rank_plans(tight, r, CostModel::flops_only());
+  RunConfig run = with_plan(r.base, tight.plans.front());
+  run.memory_budget = r.budget;
+  run.no_guard = true;
+  run.steps = 2;
+  const TrainSummary s = train(run).summary;
+  EXPECT_EQ(s.steps, 2);
+  EXPECT_LE(s.peak_bytes, r.budget);
+  ASSERT_TRUE(s.host_bytes);
+  EXPECT_GT(*s.host_bytes, 8 * s.trainable_params) << "two float32 moments a parameter, in host memory";
+
+  r.allow_offload = false;
+  r.allow_adamw8bit = true;
+  const PlanResult quantised = fitting_plans(r);
+  ASSERT_FALSE(quantised.plans.empty());
+  for (const Plan& p : quantised.plans) EXPECT_EQ(p.optimizer, OptimizerKind::adamw8bit) << p.describe();
+}
+
 // Lever 6 at llama-3.2-1b's real widths, vocabulary and depth (tied embeddings), on 2 ranks: a
 // budget between what --shard full and --shard gradients need per rank leaves only full plans; with
 // room for both, full (three times the traffic) ranks behind gradients.
