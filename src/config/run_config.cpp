@@ -184,6 +184,11 @@ const std::vector<RunField>& run_fields() {
              "gate,up,down] (the base frozen, low-rank adapters trained, as peft's LoraConfig; defaults alpha 8, "
              "dropout 0, targets q,v)",
              &RunConfig::finetune, &parse_finetune, [](const Finetune& f) { return f.name(); }),
+      choice("base-weights",
+             "with --finetune lora: the frozen base's projections dense (default) or nf4 (QLoRA: 4-bit NormalFloat in "
+             "blocks of 64 with a float32 absmax each, dequantised a layer at a time in forward and again in "
+             "backward); embeddings, norms and the head stay dense",
+             &RunConfig::base_weights, &parse_base_weights, &base_weights_name),
       choice("offload",
              "none (default) or optimizer: the optimizer's state and its update in host memory (torchao's "
              "CPUOffloadOptimizer): each step copies the gradients to the host, updates there and copies the "
@@ -522,6 +527,13 @@ void validate(const RunConfig& c) {
     fail("--offload {} with {} data-parallel ranks: not supported yet; accepted: one process, or --shard optimizer to "
          "split the optimizer state over the ranks instead",
          offload_name(c.offload), world_size_of(c));
+  }
+  if (c.base_weights == BaseWeights::nf4 && !c.finetune.is_lora()) {
+    fail("--base-weights nf4 needs --finetune lora:r=R,... (the 4-bit base is frozen; only adapters train)");
+  }
+  if (c.base_weights == BaseWeights::nf4 && c.merge_lora) {
+    fail("--merge-lora with --base-weights nf4: merging into a 4-bit base is not supported; accepted: --save-weights "
+         "alone, which writes the adapter (peft loads it over the original base)");
   }
   if (c.merge_lora && (!c.finetune.is_lora() || c.save_weights.empty())) {
     fail("--merge-lora needs --finetune lora:... and --save-weights DIR (it says how the adapters are saved)");

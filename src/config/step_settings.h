@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "config/attention_path.h"
+#include "config/base_weights.h"
 #include "config/checkpoint_policy.h"
 #include "config/finetune.h"
 #include "config/moe_routing.h"
@@ -35,6 +36,7 @@ struct StepSettings {
   ShardLevel shard = ShardLevel::none;
   MoeRouting routing;  // estimate, plan: the routing a mixture of experts is assumed to have
   Finetune finetune;   // which parameters train: all, all but frozen ones, or LoRA adapters
+  BaseWeights base_weights = BaseWeights::dense;  // LoRA's frozen projections: dense, or NF4
   Offload offload = Offload::none;  // what lives in host memory (the optimizer's state and update)
 
   // This object as the step's settings alone, to assign or compare them whole.

@@ -34,7 +34,7 @@ void LayerReplay::construct_model() {
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
   shapes_ = std::make_unique<CausalLM>(
       c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0, CausalLM::KeepParameter{},
-      s_.finetune);
+      s_.finetune, true, s_.base_weights);
   const std::string w = fmt::format("{} B each", ew_);
   for (const auto& np : shapes_->parameters()) {
     if (params_.count(np.name) != 0) continue;  // a tied head repeats the embedding

@@ -17,13 +17,6 @@
 
 namespace headroom {
 
-at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> shape) {
-  at::Tensor t = at::empty(shape, options_);
-  if (release_ && !options_.device().is_meta()) release_storage(t);  // memory again only to be initialised
-  params_.push_back({name, t});
-  return t;
-}
-
 namespace {
 
 // A parameter's initial value as Hugging Face draws it, on the CPU: norm weights one (gemma's, used as
@@ -51,8 +44,12 @@ at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double 
 
 // Initialise each parameter on the CPU from one generator, in registration order, then copy; with
 // `keep`, each parameter holds memory only while it is initialised and kept.
+// `quantise`: called instead of a copy for an NF4 weight's codes, with the weight's name and its
+// dense draw (`dense_sizes` gives its shape); its absmax draws nothing.
 void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t seed,
-                const CausalLM::KeepParameter& keep, bool base) {
+                const CausalLM::KeepParameter& keep, bool base,
+                const std::function<std::vector<int64_t>(const std::string&)>& dense_sizes,
+                const std::function<void(const std::string&, const at::Tensor&)>& quantise) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const double std_dev = c.initializer_range;
   const double proj_std = c.family == Family::gpt2 ? std_dev / std::sqrt(2.0 * c.num_layers) : std_dev;
@@ -60,6 +57,12 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
   for (auto& [name, t] : params) {
     const bool adapter = is_lora_parameter(name);
     if (!base && !adapter) continue;
+    if (is_nf4_part(name)) {
+      const std::string weight = nf4_weight_of_codes(name);
+      if (weight.empty()) continue;  // an absmax: its codes' draw fills it
+      quantise(weight, initial_value(weight, dense_sizes(weight), std_dev, proj_std, 1.0, gen));
+      continue;
+    }
     const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
     if (!keep) {
       t.copy_(cpu);
@@ -72,21 +75,29 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
   }
 }
 
-// The adapter member of layer `l` (a CausalLM::Layer, const or not) for the module whose weight is
-// `weight` ("layers.3.attn.q_proj.weight"): model/lora.h's adaptable_modules() names them.
+// The adapter and NF4 members of layer `l` (a CausalLM::Layer, const or not) for the module whose
+// weight is `weight` ("layers.3.attn.q_proj.weight"): model/lora.h's adaptable_modules() names them.
+template <typename Layer>
+auto projection_slots(Layer& l, const std::string& weight) {
+  const std::string module = weight.substr(weight.find('.', 7) + 1);  // "attn.q_proj.weight"
+  auto both = [](auto& lora, auto& nf4) { return std::pair{&lora, &nf4}; };
+  return module == "attn.qkv.weight"           ? both(l.lora_qkv, l.nf4_qkv)
+         : module == "attn.q_proj.weight"      ? both(l.lora_q, l.nf4_q)
+         : module == "attn.k_proj.weight"      ? both(l.lora_k, l.nf4_k)
+         : module == "attn.v_proj.weight"      ? both(l.lora_v, l.nf4_v)
+         : module == "attn.o_proj.weight"      ? both(l.lora_o, l.nf4_o)
+         : module == "mlp.gate_up_proj.weight" ? both(l.lora_gate_up, l.nf4_gate_up)
+         : module == "mlp.gate_proj.weight"    ? both(l.lora_gate, l.nf4_gate)
+         : module == "mlp.up_proj.weight"      ? both(l.lora_up, l.nf4_up)
+                                               : both(l.lora_down, l.nf4_down);
+}
 template <typename Layer>
 auto* adapter_slot(Layer& l, const std::string& weight) {
-  const std::string module = weight.substr(weight.find('.', 7) + 1);  // "attn.q_proj.weight"
-  return module == "attn.qkv.weight"           ? &l.lora_qkv
-         : module == "attn.q_proj.weight"      ? &l.lora_q
-         : module == "attn.k_proj.weight"      ? &l.lora_k
-         : module == "attn.v_proj.weight"      ? &l.lora_v
-         : module == "attn.o_proj.weight"      ? &l.lora_o
-         : module == "mlp.gate_up_proj.weight" ? &l.lora_gate_up
-         : module == "mlp.gate_proj.weight"    ? &l.lora_gate
-         : module == "mlp.up_proj.weight"      ? &l.lora_up
-                                               : &l.lora_down;
+  return projection_slots(l, weight).first;
 }
+
+// The layer a parameter of layers.N. belongs to.
+size_t layer_of(const std::string& name) { return std::stoul(name.substr(7, name.find('.', 7) - 7)); }
 
 // The rotary settings of windowed layers with a base of their own (gemma3): that base, unscaled.
 ModelConfig local_rotary_config(const ModelConfig& c) {
@@ -100,9 +111,33 @@ ModelConfig local_rotary_config(const ModelConfig& c) {
 
 }  // namespace
 
+at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> shape) {
+  if (base_weights_ == BaseWeights::nf4 && name.rfind("layers.", 0) == 0) {
+    Layer& l = layers_[layer_of(name)];
+    for (const AdaptableModule& m : adaptable_modules(config_, static_cast<int64_t>(layer_of(name)))) {
+      if (m.weight != name) continue;
+      // Held in NF4: its codes and absmax in its place, the dense member left undefined.
+      Nf4Weight& w = *projection_slots(l, name).second;
+      const int64_t n = m.out * m.in;
+      w.sizes = {m.out, m.in};
+      w.dtype = options_.dtype().toScalarType();
+      w.codes = at::empty({nf4_code_bytes(n)}, options_.dtype(at::kByte));
+      w.absmax = at::empty({nf4_blocks(n)}, options_.dtype(at::kFloat));
+      params_.push_back({nf4_codes_name(name), w.codes});
+      params_.push_back({nf4_absmax_name(name), w.absmax});
+      return {};
+    }
+  }
+  at::Tensor t = at::empty(shape, options_);
+  if (release_ && !options_.device().is_meta()) release_storage(t);  // memory again only to be initialised
+  params_.push_back({name, t});
+  return t;
+}
+
 CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed,
-                   const KeepParameter& keep, const Finetune& finetune, bool initialise_base)
-    : config_(config), finetune_(finetune), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
+                   const KeepParameter& keep, const Finetune& finetune, bool initialise_base,
+                   BaseWeights base_weights)
+    : config_(config), finetune_(finetune), base_weights_(base_weights), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
   const int64_t q_dim = c.num_heads * c.head_dim;
@@ -180,7 +215,14 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   head_ = c.tie_word_embeddings ? embed_ : add_param("lm_head.weight", {c.vocab_size, d});
   if (finetune_.is_lora()) add_adapters();
 
-  if (!options_.device().is_meta()) initialise(params_, c, seed, keep, initialise_base);
+  if (base_weights_ == BaseWeights::nf4 && (!finetune_.is_lora() || keep)) {
+    fail("--base-weights nf4 needs --finetune lora:... on one process (the 4-bit base is frozen, not sharded)");
+  }
+  if (!options_.device().is_meta()) {
+    initialise(
+        params_, c, seed, keep, initialise_base, [this](const std::string& w) { return nf4_weight(w)->sizes; },
+        [this](const std::string& w, const at::Tensor& dense) { quantise(w, dense); });
+  }
   mark_trainable();
 }
 
@@ -255,6 +297,43 @@ std::vector<CausalLM::Adapted> CausalLM::adapters() const {
   return out;
 }
 
+at::Tensor CausalLM::project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const LoraAdapter& lora,
+                             const Nf4Weight& nf4, const ForwardOptions& o) const {
+  const at::Tensor y = nf4.defined() ? nf4_linear(x, nf4, b) : at::linear(x, w, b);
+  return lora_project(x, y, lora, finetune_.lora, o.training);
+}
+
+const Nf4Weight* CausalLM::nf4_weight(const std::string& name) const {
+  if (base_weights_ != BaseWeights::nf4 || name.rfind("layers.", 0) != 0) return nullptr;
+  const size_t layer = layer_of(name);
+  if (layer >= layers_.size()) return nullptr;
+  for (const AdaptableModule& m : adaptable_modules(config_, static_cast<int64_t>(layer))) {
+    if (m.weight == name) return projection_slots(layers_[layer], name).second;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> CausalLM::nf4_weights() const {
+  std::vector<std::string> out;
+  for (const auto& p : params_) {
+    if (std::string w = nf4_weight_of_codes(p.name); !w.empty()) out.push_back(std::move(w));
+  }
+  return out;
+}
+
+void CausalLM::quantise(const std::string& name, const at::Tensor& dense) {
+  const Nf4Weight* w = nf4_weight(name);
+  if (w == nullptr) fail("'{}' is not held in NF4", name);
+  Nf4Weight& target = *projection_slots(layers_[layer_of(name)], name).second;
+  nf4_quantise_into(dense.device() == target.codes.device() ? dense : dense.to(target.codes.device()), target);
+}
+
+int64_t CausalLM::counted_elements(const NamedTensor& p) const {
+  if (!is_nf4_part(p.name)) return p.tensor.numel();
+  const std::string w = nf4_weight_of_codes(p.name);
+  return w.empty() ? 0 : nf4_weight(w)->numel();
+}
+
 std::vector<at::Tensor> CausalLM::parameter_tensors() const {
   std::vector<at::Tensor> out;
   out.reserve(params_.size());
@@ -275,7 +354,7 @@ std::vector<int> CausalLM::parameter_units() const {
 
 int64_t CausalLM::num_parameters() const {
   int64_t n = 0;
-  for (const auto& p : params_) n += p.tensor.numel();
+  for (const auto& p : params_) n += counted_elements(p);
   return n;
 }
 
@@ -316,20 +395,20 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const Rotary
   at::Tensor q, k, v;
   if (c.fused_qkv && c.family == Family::gpt_neox) {
     // gpt_neox interleaves per head: [.., H, 3 * hd].
-    auto qkv = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, o).view({b, t, c.num_heads, 3 * hd});
+    auto qkv = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, l.nf4_qkv, o).view({b, t, c.num_heads, 3 * hd});
     auto parts = qkv.chunk(3, -1);
     q = parts[0];
     k = parts[1];
     v = parts[2];
   } else if (c.fused_qkv) {
-    auto parts = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, o).split_with_sizes({q_dim, kv_dim, kv_dim}, -1);
+    auto parts = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, l.nf4_qkv, o).split_with_sizes({q_dim, kv_dim, kv_dim}, -1);
     q = parts[0];
     k = parts[1];
     v = parts[2];
   } else {
-    q = project(x, l.q_w, l.q_b, l.lora_q, o);
-    k = project(x, l.k_w, l.k_b, l.lora_k, o);
-    v = project(x, l.v_w, l.v_b, l.lora_v, o);
+    q = project(x, l.q_w, l.q_b, l.lora_q, l.nf4_q, o);
+    k = project(x, l.k_w, l.k_b, l.lora_k, l.nf4_k, o);
+    v = project(x, l.v_w, l.v_b, l.lora_v, l.nf4_v, o);
   }
   if (c.qk_norm == QkNorm::whole) {  // olmo2: over the whole projection, before the heads split
     q = norm(q, l.q_norm_w, {});
@@ -353,7 +432,7 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const Rotary
   }
   auto y = causal_attention(q, k, v, o.attention, o.training ? c.attn_dropout : 0.0, l.window, c.attn_scale);
   y = y.transpose(1, 2).reshape({b, t, c.num_heads * hd});
-  return maybe_dropout(project(y, l.o_w, l.o_b, l.lora_o, o), c.resid_dropout, o.training);
+  return maybe_dropout(project(y, l.o_w, l.o_b, l.lora_o, l.nf4_o, o), c.resid_dropout, o.training);
 }
 
 at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const {
@@ -364,14 +443,14 @@ at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptio
   }
   at::Tensor h;
   if (c.fused_gate_up) {
-    auto gate_up = project(x, l.gate_up_w, {}, l.lora_gate_up, o).chunk(2, -1);
+    auto gate_up = project(x, l.gate_up_w, {}, l.lora_gate_up, l.nf4_gate_up, o).chunk(2, -1);
     h = activate(gate_up[0], c.activation) * gate_up[1];
   } else if (c.gated_mlp) {
-    h = activate(project(x, l.gate_w, l.gate_b, l.lora_gate, o), c.activation) * project(x, l.up_w, l.up_b, l.lora_up, o);
+    h = activate(project(x, l.gate_w, l.gate_b, l.lora_gate, l.nf4_gate, o), c.activation) * project(x, l.up_w, l.up_b, l.lora_up, l.nf4_up, o);
   } else {
-    h = activate(project(x, l.up_w, l.up_b, l.lora_up, o), c.activation);
+    h = activate(project(x, l.up_w, l.up_b, l.lora_up, l.nf4_up, o), c.activation);
   }
-  return maybe_dropout(project(h, l.down_w, l.down_b, l.lora_down, o), c.resid_dropout, o.training);
+  return maybe_dropout(project(h, l.down_w, l.down_b, l.lora_down, l.nf4_down, o), c.resid_dropout, o.training);
 }
 
 at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o,

@@ -15,12 +15,14 @@
 #include <string>
 #include <vector>
 
+#include "config/base_weights.h"
 #include "config/finetune.h"
 #include "config/model_config.h"
 #include "model/attention.h"
 #include "model/checkpointing.h"
 #include "model/experts.h"
 #include "model/lora.h"
+#include "model/nf4.h"
 #include "model/parameter_gate.h"
 #include "model/rotary.h"
 #include "util/named_tensor.h"
@@ -49,8 +51,12 @@ class CausalLM {
   using KeepParameter = std::function<void(const NamedTensor&)>;
   // `initialise_base` false: the model's own parameters are left as allocated, for a checkpoint to
   // fill (model/hf_weights.h); LoRA's adapters are still drawn.
+  // `base_weights` nf4 (LoRA only): every projection LoRA could adapt (model/lora.h's
+  // adaptable_modules, targeted or not) is held in NF4 (model/nf4.h) as two parameters, "<weight>.nf4"
+  // (the codes) and "<weight>.absmax", in the weight's place; initialised, it is drawn as the dense
+  // weight would be, one at a time, then quantised, so a seed gives the same base either way.
   CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed, const KeepParameter& keep = {},
-           const Finetune& finetune = {}, bool initialise_base = true);
+           const Finetune& finetune = {}, bool initialise_base = true, BaseWeights base_weights = BaseWeights::dense);
 
   // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
   // dtype. `router`: a mixture of experts reports there the skew of its routing and, when its
@@ -72,6 +78,15 @@ class CausalLM {
     LoraAdapter adapter;
   };
   std::vector<Adapted> adapters() const;
+  // --base-weights nf4: the weight of this (dense) name in NF4, or null when it is held dense.
+  const Nf4Weight* nf4_weight(const std::string& name) const;
+  // Every weight held in NF4, by its dense name.
+  std::vector<std::string> nf4_weights() const;
+  // Quantises `dense` (that weight's shape, any device and floating dtype) into the NF4 weight.
+  void quantise(const std::string& name, const at::Tensor& dense);
+  // What a parameter stands for in the model's parameter count: its elements, or for an NF4 weight's
+  // codes the dense weight's (its absmax: none).
+  int64_t counted_elements(const NamedTensor& param) const;
   // The unit of each of parameters() (model/parameter_gate.h): 0 for the embeddings, the final norm
   // and the head, 1 + i for layer i.
   std::vector<int> parameter_units() const;
@@ -89,6 +104,8 @@ class CausalLM {
     at::Tensor router_w;   // a mixture of experts
     // LoRA adapters of the projections (undefined when not adapted); a fused module's in its slot.
     LoraAdapter lora_qkv, lora_q, lora_k, lora_v, lora_o, lora_gate_up, lora_gate, lora_up, lora_down;
+    // --base-weights nf4: the projections' weights in NF4 (the dense member is then undefined).
+    Nf4Weight nf4_qkv, nf4_q, nf4_k, nf4_v, nf4_o, nf4_gate_up, nf4_gate, nf4_up, nf4_down;
     std::vector<Expert> experts;
     std::optional<int64_t> window;  // sliding attention window of this layer
     bool local_rope = false;        // rotates by the windowed layers' own base (gemma3)
@@ -100,11 +117,9 @@ class CausalLM {
   at::Tensor add_param(const std::string& name, std::vector<int64_t> shape);
   void add_adapters();
   void mark_trainable();
-  // x through a projection and, when adapted, its LoRA adapter.
+  // x through a projection (dense, or its NF4 weight when defined) and, when adapted, its LoRA adapter.
   at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const LoraAdapter& lora,
-                     const ForwardOptions& o) const {
-    return lora_project(x, w, b, lora, finetune_.lora, o.training);
-  }
+                     const Nf4Weight& nf4, const ForwardOptions& o) const;
   at::Tensor norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
   at::Tensor attention(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o) const;
   at::Tensor mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const;
@@ -113,6 +128,7 @@ class CausalLM {
 
   ModelConfig config_;
   Finetune finetune_;
+  BaseWeights base_weights_ = BaseWeights::dense;
   at::TensorOptions options_;
   bool release_ = false;  // parameters hold memory only while initialised (a KeepParameter was given)
   Rotary rotary_;

@@ -250,15 +250,27 @@ void load_hf_weights(const std::string& dir, CausalLM& model, const std::string&
   const ModelConfig& c = model.config();
   std::map<std::string, at::Tensor> params;
   for (const auto& p : model.parameters()) {
-    if (!is_lora_parameter(p.name)) params.emplace(p.name, p.tensor);  // LoRA's come from --adapter, or start anew
+    if (is_lora_parameter(p.name)) continue;  // LoRA's come from --adapter, or start anew
+    if (is_nf4_part(p.name)) {
+      // An NF4 weight is read dense (its shape checked as such) and quantised.
+      if (const std::string w = nf4_weight_of_codes(p.name); !w.empty()) {
+        params.emplace(w, at::empty(model.nf4_weight(w)->sizes, p.tensor.options().device(at::kMeta)));
+      }
+      continue;
+    }
+    params.emplace(p.name, p.tensor);
   }
   // Everything is checked before any parameter changes; then each tensor is read, converted and
-  // copied in turn, so that no more than one of them is in memory beside the model.
+  // copied (or quantised) in turn, so that no more than one of them is in memory beside the model.
   const LoadPlan plan = plan_load(dir, c, &params, what);
   const c10::NoGradGuard no_grad;
   for (const auto& [file, e] : plan.reads) {
     for (auto& [ours, tensor] : headroom_tensors(e.name, plan.files[file].load(e.name), c)) {
-      params.at(ours).copy_(tensor);
+      if (model.nf4_weight(ours) != nullptr) {
+        model.quantise(ours, tensor);
+      } else {
+        params.at(ours).copy_(tensor);
+      }
     }
   }
 }
@@ -349,6 +361,10 @@ std::string hf_parameter_name(const std::string& ours, const ModelConfig& config
 
 std::vector<std::pair<std::string, at::Tensor>> hf_checkpoint_tensors(const CausalLM& model, bool merge_lora) {
   const ModelConfig& c = model.config();
+  if (!model.nf4_weights().empty()) {
+    fail("a checkpoint of a 4-bit (--base-weights nf4) base is not written; accepted: --save-weights with LoRA, "
+         "which writes the adapter");
+  }
   std::map<std::string, LoraAdapter> adapted;
   if (merge_lora)
     for (const auto& a : model.adapters()) adapted.emplace(a.weight, a.adapter);

@@ -55,9 +55,8 @@ int64_t lora_parameters(const ModelConfig& c, const LoraSettings& lora) {
   return n;
 }
 
-at::Tensor lora_project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const LoraAdapter& adapter,
-                        const LoraSettings& lora, bool training) {
-  at::Tensor y = at::linear(x, w, bias);
+at::Tensor lora_project(const at::Tensor& x, const at::Tensor& y, const LoraAdapter& adapter, const LoraSettings& lora,
+                        bool training) {
   if (!adapter.defined()) return y;
   const at::Tensor in = training && lora.dropout > 0 ? at::dropout(x, lora.dropout, true) : x;
   return y + at::linear(at::linear(in, adapter.a), adapter.b) * lora.scale();

@@ -43,8 +43,8 @@ bool is_lora_parameter(const std::string& name);
 // The trainable parameters LoRA adds to the whole model: r·(in + out) per adapted module.
 int64_t lora_parameters(const ModelConfig& c, const LoraSettings& lora);
 
-// x through the projection (w, bias) and, when `adapter` is defined, its adapter.
-at::Tensor lora_project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const LoraAdapter& adapter,
-                        const LoraSettings& lora, bool training);
+// The projection's output `y` (of x) with, when `adapter` is defined, its adapter's added.
+at::Tensor lora_project(const at::Tensor& x, const at::Tensor& y, const LoraAdapter& adapter, const LoraSettings& lora,
+                        bool training);
 
 }  // namespace headroom

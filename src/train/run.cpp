@@ -195,7 +195,7 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
   }
   // Weights a checkpoint will fill are not drawn first.
   run.model = std::make_unique<CausalLM>(run.model_config, at::TensorOptions().dtype(dtype).device(run.device),
-                                         cfg.seed, keep, cfg.finetune, cfg.weights.empty());
+                                         cfg.seed, keep, cfg.finetune, cfg.weights.empty(), cfg.base_weights);
   if (!cfg.weights.empty()) load_hf_weights(cfg.weights, *run.model);
   if (!cfg.adapter.empty()) load_peft_adapter(cfg.adapter, *run.model);
   return slices;
