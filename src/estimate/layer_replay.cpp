@@ -42,7 +42,7 @@ void LayerReplay::construct_model() {
     prm.rows = np.tensor.size(0);
     prm.cols = np.tensor.dim() == 2 ? np.tensor.size(1) : 0;
     prm.t.numel = np.tensor.numel();
-    prm.t.elem = ew_;
+    prm.t.elem = static_cast<int>(np.tensor.element_size());  // ew_, but an NF4 weight's codes and absmax
     // A mixture of experts' weights and gradients are shown apart from the dense ones, frozen
     // weights (--finetune) apart from trained ones, and LoRA's adapters apart from both.
     const bool expert = np.name.find(".mlp.experts.") != std::string::npos;
@@ -62,9 +62,14 @@ void LayerReplay::construct_model() {
                                     "r·(in + out) per adapted projection, r = " + r + ", × " + w);
       adapter_grads_ = mem_.label("LoRA gradients", Category::gradients, "the adapters' parameters × " + w);
     }
-    const int weight_label = expert ? expert_weights_ : adapter ? adapter_weights_ : trains ? weights_ : frozen_weights_;
+    int weight_label = expert ? expert_weights_ : adapter ? adapter_weights_ : trains ? weights_ : frozen_weights_;
+    if (is_nf4_part(np.name)) {
+      weight_label = mem_.label("NF4 base weights", Category::weights,
+                                "--base-weights nf4: every projection in 4 bits (n/2 B) and a float32 absmax "
+                                "per 64 values");
+    }
     // full: the parameter holds nothing between uses; the rank's slice is its weight (the gate's).
-    if (!gate_) prm.t.buf = mem_.allocate(prm.t.numel * ew_, weight_label);
+    if (!gate_) prm.t.buf = mem_.allocate(prm.t.bytes(), weight_label);
     if (trains) {
       prm.t.slot = std::make_shared<sim::GradSlot>();
       prm.t.slot->numel = prm.t.numel;
@@ -84,7 +89,14 @@ void LayerReplay::construct_model() {
   const bool loaded = !s_.loaded_tensors.empty();
   for (const auto& name : order_) {
     const bool adapter = is_lora_parameter(name);
-    if (!loaded || adapter) Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
+    if (loaded && !adapter) continue;
+    if (is_nf4_part(name)) {
+      // An NF4 weight is drawn dense, then quantised without further copies; its absmax draws nothing.
+      const std::string weight = nf4_weight_of_codes(name);
+      if (!weight.empty()) Ref copy = mem_.allocate(shapes_->nf4_weight(weight)->numel() * 4, init);
+      continue;
+    }
+    Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
   }
   // --weights: then the checkpoint's tensors, read one at a time in their file's dtype.
   const int read = mem_.label("checkpoint tensors", Category::temporaries, "--weights: one tensor at a time, as stored");
@@ -103,7 +115,9 @@ const Param* LayerReplay::maybe(const std::string& name) const {
 }
 
 Tensor LayerReplay::project(const Tensor& x, const std::string& weight, const Param* bias, int label) {
-  Tensor y = linear(x, p(weight), bias, label);
+  const Nf4Weight* nf4 = shapes_->nf4_weight(weight);
+  Tensor y = nf4 ? nf4_linear(x, nf4->sizes[0], nf4->sizes[1], mixed_ ? 2 : ew_, bias, label)
+                 : linear(x, p(weight), bias, label);
   const Param* a = maybe(lora_a_name(weight));
   if (!a) return y;
   // lora_project(): y + linear(linear(dropout(x), A), B) · scale, each a new tensor.

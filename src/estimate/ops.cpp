@@ -43,6 +43,35 @@ Tensor Ops::linear(const Tensor& x, const Param& w, const Param* b, int label) {
   return out;
 }
 
+Tensor Ops::nf4_linear(const Tensor& x, int64_t out, int64_t in, int elem, const Param* b, int label) {
+  const int64_t rows = x.numel / in;
+  const int dense = mem_.label("NF4 dequantised weights", Category::temporaries,
+                               "--base-weights nf4: one projection's weight, out × in in the compute dtype, while it "
+                               "runs (forward and backward)");
+  Ref w = mem_.allocate(out * in * elem, dense);
+  Ref xi, bi;
+  if (mixed_ && x.elem != 2) xi = mem_.allocate(x.numel * 2, act("autocast activation copies", "2-byte copies of float32 matmul inputs"));
+  if (b && mixed_ && b->t.elem != 2) bi = mem_.allocate(b->t.numel * 2, copies_);
+  Tensor y = make(rows * out, elem, label, x.requires_grad());
+  xi.reset();
+  bi.reset();
+  w.reset();
+  g_->record({&y}, {}, [this, x = meta(x), out, in, elem, rows, dense](const std::vector<Ref>&) {
+    Ref again = mem_.allocate(out * in * elem, dense);
+    if (x.elem == elem) {
+      Emit e = grad_to(x);
+      again.reset();
+      return std::vector<Emit>{e};
+    }
+    Ref computed = mem_.allocate(rows * in * elem, tmp_);
+    again.reset();
+    Emit e = grad_to(x);
+    computed.reset();
+    return std::vector<Emit>{e};
+  });
+  return y;
+}
+
 Tensor Ops::add(const Tensor& a, const Tensor& b, int label) {
   Tensor out = make(std::max(a.numel, b.numel), std::max(a.elem, b.elem), label, a.slot || b.slot);
   g_->record({&out}, {}, [this, a = meta(a), b = meta(b), out = meta(out)](const std::vector<Ref>& in) {

@@ -64,6 +64,12 @@ class Ops {
   // for the input's, as autograd does; a frozen weight gets no gradient.
   Tensor linear(const Tensor& x, const Param& w, const Param* b, int label);
 
+  // x · Wᵀ + b over an NF4 weight [out, in] (model/nf4.h's nf4_linear), W dequantised in the compute
+  // dtype (`elem`: autocast's 2 bytes, else the parameters'): in forward W, autocast's copies of x
+  // and b, the output, then W freed; nothing saved; in backward W again and the input's gradient in
+  // that dtype, then W freed, and the engine's cast of that gradient to x's dtype where it differs.
+  Tensor nf4_linear(const Tensor& x, int64_t out, int64_t in, int elem, const Param* b, int label);
+
   // a + b (b may broadcast): the sum in the wider dtype; backward passes the gradient through,
   // converting or reducing it where an input differs.
   Tensor add(const Tensor& a, const Tensor& b, int label);
