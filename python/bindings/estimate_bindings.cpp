@@ -64,13 +64,19 @@ void bind_estimate(py::module_& m) {
   m.def(
       "plan",
       [](const std::map<std::string, std::string>& flags, int64_t global_batch, int64_t budget, double margin,
-         bool allow_optimizer_change) {
+         bool allow_optimizer_change, const std::vector<std::string>& allow) {
         PlanRequest r;
         r.base = run_config(flags);
         r.global_batch = global_batch;
         r.budget = budget;
         r.margin = margin;
         r.allow_optimizer_change = allow_optimizer_change;
+        for (const std::string& lever : allow) {
+          if (lever == "optimizer") r.allow_optimizer_change = true;
+          else if (lever == "adamw8bit") r.allow_adamw8bit = true;
+          else if (lever == "offload") r.allow_offload = true;
+          else fail("allow: '{}': accepted: optimizer, adamw8bit, offload", lever);
+        }
         if (global_batch < 1) fail("global_batch {}: accepted: a positive number of sequences", global_batch);
         if (budget < 1) fail("budget {}: accepted: a positive size", budget);
         PlanResult result = plan_with_calibration(r, nullptr);
@@ -82,7 +88,7 @@ void bind_estimate(py::module_& m) {
         return dump_json(j);
       },
       py::arg("flags"), py::arg("global_batch"), py::arg("budget"), py::arg("margin"),
-      py::arg("allow_optimizer_change"),
+      py::arg("allow_optimizer_change"), py::arg("allow") = std::vector<std::string>{},
       "The plan's JSON (as `headroom plan --json --no-calibrate`: ranked by FLOPs).");
   m.def(
       "training_arguments", [](const std::string& plan) { return dump_json(training_arguments(plan_from_json(plan))); },

@@ -1,11 +1,13 @@
 // headroom's optimizers (optim/optimizer.h) over Python's tensors, for the tests that hold them to
-// the libraries users would otherwise run (bitsandbytes' AdamW8bit), and the 8-bit dynamic map.
+// the libraries users would otherwise run (bitsandbytes' AdamW8bit), the 8-bit dynamic map, and
+// the NF4 code and quantisation (bitsandbytes' quantize_4bit).
 #include <pybind11/stl.h>
 
 #include "bindings.h"
 #include "config/optimizer_kind.h"
 #include "optim/optimizer.h"
 #include "optim/quantize8bit.h"
+#include "model/nf4.h"
 
 namespace py = pybind11;
 
@@ -18,6 +20,21 @@ void bind_optim(py::module_& m) {
         return std::vector<float>(map.begin(), map.end());
       },
       py::arg("signed"), "The 256 values of the 8-bit dynamic quantisation map, ascending.");
+  m.def("nf4_code", [] {
+    const auto& code = nf4_code();
+    return std::vector<float>(code.begin(), code.end());
+  }, "The 16 values of the NF4 code, ascending.");
+  m.def(
+      "nf4_quantise",
+      [](const at::Tensor& dense) {
+        Nf4Weight w;
+        w.sizes = dense.sizes().vec();
+        w.codes = at::empty({nf4_code_bytes(dense.numel())}, dense.options().dtype(at::kByte));
+        w.absmax = at::empty({nf4_blocks(dense.numel())}, dense.options().dtype(at::kFloat));
+        nf4_quantise_into(dense, w);
+        return std::make_pair(w.codes, w.absmax);
+      },
+      py::arg("dense"), "headroom's NF4 quantisation of a weight (blocks of 64): (codes, absmax).");
   py::class_<Optimizer>(m, "Optimizer")
       .def(py::init([](const std::string& kind, const std::vector<at::Tensor>& params, double weight_decay,
                        double beta1, double beta2, double eps) {

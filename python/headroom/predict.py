@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from . import _core
 
@@ -70,6 +70,8 @@ def estimate(
     shard: str = "none",
     moe_routing: str = "balanced",
     finetune: str = "full",
+    base_weights: str = "dense",
+    offload: str = "none",
 ) -> Dict[str, Any]:
     """A training step's predicted peak memory per rank, without running it.
 
@@ -88,6 +90,9 @@ def estimate(
     ``"lora:r=R[,alpha=A][,dropout=P][,targets=q,k,v,o,gate,up,down]"`` as ``--finetune``; the
     result's ``model`` then has ``trainable_params`` (equal to peft's count for the same LoRA
     settings) beside ``params``, and frozen weights and adapters are items of their own.
+    ``base_weights="nf4"`` (with LoRA) holds the frozen projections in 4-bit NF4 (QLoRA); ``offload=
+    "optimizer"`` keeps the optimizer's state and update in host memory, reported as ``host_bytes``
+    (and ``host_items``) apart from the device's peak.
 
     **Any model**: ``estimate(model, inputs, loss_fn=None, optimizer=, precision=, checkpointing=,
     device=, accum=)`` with a ``torch.nn.Module`` (real, or built on the meta device) and what it is
@@ -103,8 +108,10 @@ def estimate(
         if inputs is None:
             raise ValueError("estimate(model, inputs): inputs are needed for a model: what it is called with "
                              "(a dict for model(**inputs), a tensor, or a tuple), at the micro-batch size")
-        if optimizer_impl != "torch" or attention != "flash" or world_size != 1 or shard != "none" or finetune != "full":
-            raise ValueError("estimate(model, ...): optimizer_impl, attention, world_size, shard and finetune apply to a "
+        if optimizer_impl != "torch" or attention != "flash" or world_size != 1 or shard != "none" or \
+                finetune != "full" or base_weights != "dense" or offload != "none":
+            raise ValueError("estimate(model, ...): optimizer_impl, attention, world_size, shard, finetune, base_weights "
+                             "and offload apply to a "
                              "config; a model's own attention, torch.optim's update and which of its parameters "
                              "require grad (a peft model's) are what its trace follows")
         return estimate_model(config, inputs, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
@@ -114,7 +121,7 @@ def estimate(
     text, origin = _config_json(config)
     flags = _flags(batch=batch, seq=seq, accum=accum, precision=precision, optimizer=optimizer,
                    optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention, device=device, world_size=world_size,
-                   shard=shard, moe_routing=moe_routing, finetune=finetune)
+                   shard=shard, moe_routing=moe_routing, finetune=finetune, base_weights=base_weights, offload=offload)
     return json.loads(_core.estimate(text, origin, flags))
 
 
@@ -173,11 +180,15 @@ def plan(
     margin: float = 0.05,
     allow_optimizer_change: bool = False,
     finetune: str = "full",
+    base_weights: str = "dense",
+    allow: Sequence[str] = (),
 ) -> PlanResult:
     """The ways to train ``global_batch`` sequences per optimizer step within ``budget`` bytes per
     rank (less ``margin``), fastest first: micro-batch x accumulation, precision, checkpointing and
-    attention (the optimizer only with ``allow_optimizer_change``; with ``world_size`` > 1 the shard
-    level too), keeping ``finetune`` (the fine-tuning method is yours to choose, not the planner's).
+    attention (the optimizer only with ``allow_optimizer_change``, or ``"optimizer"`` in ``allow``; 8-bit
+    states and the optimizer offloaded to host memory only with ``"adamw8bit"`` and ``"offload"`` in
+    ``allow``; with ``world_size`` > 1 the shard level too), keeping ``finetune`` and ``base_weights``
+    (the fine-tuning method is yours to choose, not the planner's).
     Peaks come from :func:`estimate` (``optimizer_impl`` as there); step times from a
     FLOPs cost model (the CLI's ``headroom plan`` can also calibrate it by timing its own steps).
 
@@ -207,10 +218,11 @@ def plan(
             f.write(text)
         open(data_path, "w").close()
         flags = _flags(model=model_path, data=data_path, seq=seq, precision=precision, optimizer=optimizer,
-                       optimizer_impl=optimizer_impl, device=device, world_size=world_size, finetune=finetune)
+                       optimizer_impl=optimizer_impl, device=device, world_size=world_size, finetune=finetune,
+                       base_weights=base_weights)
         try:
             result = json.loads(_core.plan(flags, int(global_batch), parse_size(budget), float(margin),
-                                           bool(allow_optimizer_change)))
+                                           bool(allow_optimizer_change), list(allow)))
         except ValueError as e:
             raise ValueError(str(e).replace(model_path, origin)) from None
     result["plans"] = [Plan(p) for p in result["plans"]]
