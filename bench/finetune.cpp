@@ -5,7 +5,7 @@
 // beside headroom's estimate of it and the difference to full fine-tuning category by category
 // (what the monitor measured at the step's peak), full fine-tuning with 8-bit AdamW states, and with
 // the optimizer offloaded to host memory (its host bytes beside: the host pool's peak, and the
-// estimate's).
+// estimate's), and LoRA over an NF4 base (QLoRA).
 // Published anchors: PEFT's README, T0_3B on an A100 80 GB, full fine-tuning 47.1 GB against LoRA
 // 14.4 GB; torchao, Llama-2-7B 51.6 GB with AdamW and 39.1 GB with AdamW8bit.
 //
@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
       {"frozen embeddings + first half", ""},
       {"LoRA r=16 on q,v", "lora:r=16,alpha=32"},
       {"LoRA r=16 on every projection", "lora:r=16,alpha=32,targets=q,k,v,o,gate,up,down"},
+      {"LoRA on every projection, nf4 base", "lora:r=16,alpha=32,targets=q,k,v,o,gate,up,down"},
       {"full, adamw8bit", "full"},
       {"full, offload optimizer", "full"},
       {"LoRA on every projection, offload", "lora:r=16,alpha=32,targets=q,k,v,o,gate,up,down"},
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
     cfg.finetune = parse_finetune(finetune);
     if (label.find("adamw8bit") != std::string::npos) cfg.optimizer = OptimizerKind::adamw8bit;
     if (label.find("offload") != std::string::npos) cfg.offload = Offload::optimizer;
+    if (label.find("nf4") != std::string::npos) cfg.base_weights = BaseWeights::nf4;
     cfg.device = "cpu";
     cfg.steps = 4;
     cfg.eval_rows = 0;

@@ -42,6 +42,7 @@ Plan plan_from_json(const std::string& text) {
   p.optimizer = parse_optimizer(j.at("optimizer").get<std::string>());
   p.attention = parse_attention_path(j.at("attention").get<std::string>());
   p.shard = parse_shard_level(j.value("shard", std::string("none")));
+  p.offload = parse_offload(j.value("offload", std::string("none")));
   p.world = j.value("world_size", int64_t{1});
   return p;
 }

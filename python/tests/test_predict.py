@@ -140,3 +140,27 @@ def test_the_torch_loop_runs_and_accumulates(tmp_path):
     whole(x, y).loss.backward()
     opt.step()
     torch.testing.assert_close(model.lin.weight, whole.lin.weight)
+
+
+def test_plan_allows_offload_and_8bit_states_as_the_cli_does(tmp_path):
+    """`allow=` is `--allow`: with a budget only an offloaded optimizer meets, every plan offloads,
+    the CLI lists the same plans, and the torch loop it emits builds torchao's CPUOffloadOptimizer."""
+    d = preset("gpt2")
+    d["n_layer"] = 2
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    (tmp_path / "empty.txt").write_text("")
+    roomy = headroom.plan(d, global_batch=4, budget="64GiB", seq=64, margin=0.0)
+    smallest = min(p["predicted_peak_bytes"] for p in roomy.plans)
+    assert headroom.plan(d, global_batch=4, budget=smallest - 1, seq=64, margin=0.0).best is None
+    result = headroom.plan(d, global_batch=4, budget=smallest - 1, seq=64, margin=0.0, allow=["offload", "adamw8bit"])
+    assert result.plans and all(p["offload"] == "optimizer" or p["optimizer"] == "adamw8bit" for p in result.plans)
+    cli = json.loads(headroom_cli("plan", "--model", str(path), "--data", str(tmp_path / "empty.txt"), "--global-batch",
+                                  "4", "--memory-budget", str(smallest - 1), "--seq", "64", "--device", "cpu",
+                                  "--optimizer-impl", "torch", "--margin", "0", "--no-calibrate", "--allow",
+                                  "offload,adamw8bit", "--json"))
+    assert result.plans == cli["plans"]
+    offloaded = next(p for p in result.plans if p["offload"] == "optimizer")
+    code = offloaded.torch_loop("cuda")
+    compile(code, "torch loop", "exec")
+    assert "torchao.optim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW" in code

@@ -14,6 +14,7 @@ const char* lever_name(Lever lever) {
     case Lever::attention: return "attention";
     case Lever::optimizer: return "optimizer";
     case Lever::offload: return "offload";
+    case Lever::base_weights: return "base weights";
     case Lever::shard: return "shard";
   }
   return "?";
@@ -119,6 +120,11 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
     add(Lever::offload, "optimizer",
         "the optimizer's state and update in host memory: each step copies the gradients down and the parameters up",
         [](RunConfig& c) { c.offload = Offload::optimizer; });
+  }
+  if (cfg.finetune.is_lora() && cfg.base_weights == BaseWeights::dense) {
+    add(Lever::base_weights, "nf4",
+        "the frozen projections in 4-bit NF4 (QLoRA): about 0.56 B a value, dequantised a layer at a time",
+        [](RunConfig& c) { c.base_weights = BaseWeights::nf4; });
   }
   return out;
 }

@@ -14,7 +14,7 @@
 
 namespace headroom {
 
-enum class Lever { accumulation, precision, checkpointing, attention, optimizer, offload, shard };
+enum class Lever { accumulation, precision, checkpointing, attention, optimizer, offload, base_weights, shard };
 const char* lever_name(Lever lever);
 
 // The settings of each lever, as the planner enumerates them.
@@ -51,7 +51,8 @@ struct LeverChange {
 // accumulation at a half and a quarter of the micro-batch (same global batch), every other
 // precision, every other checkpointing policy, the other attention path, and the optimizers with
 // less state (adafactor, sgd) — or, for adam and adamw, the other one, which holds the same state —
-// their 8-bit states, and the optimizer offloaded to host memory (one process).
+// their 8-bit states, the optimizer offloaded to host memory (one process), and for LoRA the frozen
+// base in NF4.
 std::vector<LeverChange> lever_changes(const RunConfig& config, const ModelConfig& model);
 
 }  // namespace headroom
