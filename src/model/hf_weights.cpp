@@ -176,13 +176,6 @@ std::vector<std::string> checkpoint_files(const std::string& dir, const std::str
   return files;
 }
 
-at::ScalarType scalar_type_of(const std::string& dtype) {
-  static const std::map<std::string, at::ScalarType> types = {
-      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16}, {"I64", at::kLong},
-      {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},   {"U8", at::kByte},       {"BOOL", at::kBool}};
-  const auto it = types.find(dtype);
-  return it == types.end() ? at::kFloat : it->second;
-}
 
 }  // namespace
 
@@ -206,7 +199,7 @@ LoadPlan plan_load(const std::string& dir, const ModelConfig& c, const std::map<
     for (const SafetensorsEntry& e : plan.files.back().entries()) {
       if (c.tie_word_embeddings && strip_wrappers(e.name) == "lm_head.weight") continue;  // the embedding's
       const at::Tensor shape_only =
-          at::empty(e.shape, at::TensorOptions().dtype(scalar_type_of(e.dtype)).device(at::kMeta));
+          at::empty(e.shape, at::TensorOptions().dtype(safetensors_scalar_type(e.dtype)).device(at::kMeta));
       Mapped mapped;
       try {
         mapped = headroom_tensors(e.name, shape_only, c);

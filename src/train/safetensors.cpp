@@ -47,6 +47,12 @@ std::string accepted_dtypes() {
 
 }  // namespace
 
+at::ScalarType safetensors_scalar_type(const std::string& dtype) {
+  const DtypeRow* row = dtype_row(dtype);
+  if (row == nullptr) fail("safetensors dtype '{}' is not supported; accepted: {}", dtype, accepted_dtypes());
+  return row->type;
+}
+
 std::string safetensors_dtype(at::ScalarType type) {
   for (const DtypeRow& r : kDtypes) {
     if (r.type == type) return r.name;

@@ -47,6 +47,8 @@ class SafetensorsFile {
 
 // The file's dtype name of a scalar type ("F32", ...); Error for one safetensors has no name for.
 std::string safetensors_dtype(at::ScalarType type);
+// The ATen type of a safetensors dtype name ("BF16"); an Error naming the accepted ones otherwise.
+at::ScalarType safetensors_scalar_type(const std::string& dtype);
 
 // Writes `tensors` (any device, any layout: written contiguous from the cpu) with `metadata` to
 // `path`, atomically. Names must be unique.
