@@ -44,7 +44,7 @@ class Optimizer {
   // (optim/offload.h).
   virtual bool offloaded() const { return false; }
   // Host memory an offloaded optimizer holds besides its state: its copies of the parameters and
-  // of their gradients.
+  // of their gradients, in pairs (a parameter's copy, then its gradient's), in parameter order.
   virtual std::vector<at::Tensor> host_copies() const { return {}; }
 
   // Bytes held by state(), shared storage counted once.
