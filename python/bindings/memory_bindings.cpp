@@ -183,6 +183,13 @@ void bind_memory(py::module_& m) {
       "Fault injection: the n-th CPU allocation from now raises an out-of-memory error.");
   m.def("disarm_cpu_faults", [] { BudgetAllocator::install().disarm(); });
   m.def(
+      "set_cpu_host_pool",
+      [](bool host) { BudgetAllocator::install().set_pool(host ? MemoryPool::host : MemoryPool::device); },
+      py::arg("host"),
+      "True: cpu allocations from now on are host memory, counted apart from the budgeted device (offload).");
+  m.def("cpu_host_live_bytes", [] { return BudgetAllocator::install().host_live_bytes(); });
+  m.def("cpu_host_peak_bytes", [] { return BudgetAllocator::install().host_peak_bytes(); });
+  m.def(
       "set_cpu_accounting", [](bool on) { BudgetAllocator::install().set_accounting(on); },
       "Off: cpu allocations pass straight to the system allocator, uncounted (to measure the counting's cost).");
   m.def(

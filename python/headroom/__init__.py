@@ -19,6 +19,8 @@ The same C++ core as the ``headroom`` command line, for a loop you wrote yoursel
   ``torch.OutOfMemoryError`` where that card would.
 * :class:`Guard` / :func:`guard` — keep a run alive: on out-of-memory, the same global batch again
   in half-size micro-batches, accumulated. :func:`find_max_batch` — the largest batch that fits.
+* :func:`chunked_cross_entropy` — the LM head and the loss a chunk of tokens at a time, never the
+  whole logits; :func:`offload_activations` — what autograd saves, in host memory until backward.
 * :func:`analyze_snapshot` — diagnose a PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``)
   safely, as ``headroom analyze`` does: peaks and what was live, iterations and leaks, fragmentation,
   OOMs; a dict like the CLI's ``--json``.
@@ -46,6 +48,8 @@ from .guard import Guard, find_max_batch, guard  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 from .predict import Plan, PlanResult, estimate, plan  # noqa: E402
 from .anymodel import measure_model as measure  # noqa: E402
+from .loss import chunked_cross_entropy  # noqa: E402
+from .offload import offload_activations  # noqa: E402
 
 __all__ = [
     "Monitor",
@@ -60,6 +64,8 @@ __all__ = [
     "plan",
     "Plan",
     "PlanResult",
+    "chunked_cross_entropy",
+    "offload_activations",
     "parse_size",
     "format_bytes",
 ]

@@ -162,7 +162,7 @@ TEST(Cli, BadInputThatOnceMisledNowSaysWhatIsAccepted) {
   expect_usage_error("train --finetune lora:r=4 --base-weights nf4 --merge-lora --save-weights " + dir.file("m"),
                      "--merge-lora with --base-weights nf4: merging into a 4-bit base is not supported");
   expect_usage_error("estimate --offload optimizer --world-size 2", "--offload optimizer with 2 data-parallel ranks");
-  expect_usage_error("train --offload gpu", "--offload 'gpu': accepted: none or optimizer");
+  expect_usage_error("train --offload gpu", "--offload 'gpu': accepted: none, optimizer, activations or optimizer,activations");
   expect_usage_error("plan --global-batch 8 --memory-budget 1GiB --allow everything", "--allow");
   expect_usage_error("train --finetune freeze:nothing.matches --steps 1", "'nothing.matches' matches no parameter of tiny");
   expect_usage_error("estimate --model qwen3-30b-a3b --finetune lora:r=8,targets=q,gate",

@@ -27,7 +27,7 @@ void add_doctor_command(CLI::App& app, std::function<int()>& run) {
       "fits or the recommended one fails its 2 verification steps.");
   auto config =
       bind_run_flags(cmd,
-                     {"model", "set", "data", "data-tokens", "batch", "accum", "seq", "seed", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "precision",
+                     {"model", "set", "data", "data-tokens", "batch", "accum", "seq", "seed", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "loss", "precision",
                       "checkpointing", "optimizer", "memory-budget", "allocator", "allocator-conf", "inject-leak",
                       "threads", "json", "quiet"},
                      doctor_default());

@@ -21,7 +21,7 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
                          "reserved memory, by replaying the step through PyTorch's allocator policy.\n"
                          "With --memory-budget, also say whether it fits (exit code 3 when it does not): with a\n"
                          "caching allocator, by reserved memory under that cap.");
-  auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "batch", "accum", "seq", "device", "attention", "moe-routing", "finetune", "base-weights", "offload",
+  auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "batch", "accum", "seq", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "loss",
                                      "precision", "checkpointing", "optimizer", "optimizer-impl", "memory-budget",
                                      "allocator", "allocator-conf", "world-size", "shard", "json", "quiet"});
   cmd->callback([config, &run] {

@@ -24,7 +24,7 @@ void add_fit_command(CLI::App& app, std::function<int()>& run) {
       "the trial measured, and bisection is the fallback.\n"
       "Exit code 3 (with max_batch 0 in --json) when not even micro-batch 1 fits.");
   // What shapes a step's memory; schedule and output flags of `train` do not apply.
-  auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "seq", "seed", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "precision",
+  auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "seq", "seed", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "loss", "precision",
                                      "checkpointing", "optimizer", "memory-budget", "threads", "json", "quiet"});
   auto limit = std::make_shared<int64_t>(1024);
   cmd->add_option("--max-batch", *limit, "largest micro-batch to consider")->check(CLI::Range(1, 1 << 20));

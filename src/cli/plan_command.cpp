@@ -113,7 +113,7 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "gradients, full) is a lever, its collectives costed at an assumed link speed; nothing is launched (the\n"
       "calibration times one process). Exit code 3 when nothing fits.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "seq", "seed", "device", "precision", "optimizer",
-                                     "optimizer-impl", "moe-routing", "finetune", "base-weights", "offload", "memory-budget", "threads", "world-size", "json",
+                                     "optimizer-impl", "moe-routing", "finetune", "base-weights", "offload", "loss", "memory-budget", "threads", "world-size", "json",
                                      "quiet"});
   auto o = std::make_shared<PlanOptions>();
   cmd->add_option("--global-batch", o->global_batch, "sequences per optimizer step (required)")

@@ -66,6 +66,7 @@ const std::map<std::string, std::vector<std::string>>& samples() {
       {"no-guard", {"true"}},
       {"shard", {"gradients"}},
       {"offload", {"optimizer"}},
+      {"loss", {"chunked:512"}},
       {"base-weights", {"nf4"}},
       {"world-size", {"2"}},
       {"dist-timeout", {"60"}},

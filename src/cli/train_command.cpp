@@ -123,7 +123,7 @@ void print_summary_text(const TrainSummary& s) {
   fmt::print(stderr, "done: {} steps, final loss {:.4f}, eval loss {:.4f}, {:.0f} tok/s, peak {}{}{}{}\n", s.steps,
              s.final_loss, s.eval_loss, s.tokens_per_s, format_bytes(s.peak_bytes),
              s.peak_reserved_bytes ? fmt::format(" ({} reserved)", format_bytes(*s.peak_reserved_bytes)) : "",
-             s.host_bytes ? fmt::format(", host {} (offloaded optimizer)", format_bytes(*s.host_bytes)) : "", ranks);
+             s.host_bytes ? fmt::format(", host {} (offloaded)", format_bytes(*s.host_bytes)) : "", ranks);
   if (s.routing_skew) {
     fmt::print(stderr,
                "routing: the busiest expert took {:.2f}x a balanced share; estimate with this skew: "

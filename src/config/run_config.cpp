@@ -194,6 +194,12 @@ const std::vector<RunField>& run_fields() {
              "CPUOffloadOptimizer): each step copies the gradients to the host, updates there and copies the "
              "parameters back; on cpu the host pool is counted apart from the --memory-budget device",
              &RunConfig::offload, &parse_offload, &offload_name),
+      choice("loss",
+             "full (default: the whole [tokens x vocab] logits, in float32 for the loss) or chunked[:TOKENS] (the "
+             "LM head and the cross-entropy a chunk of tokens at a time, Liger's and Cut Cross-Entropy's lever; "
+             "backward recomputes each chunk's logits; TOKENS defaults to tokens / ceil(vocab / hidden), to a power "
+             "of two)",
+             &RunConfig::loss, &parse_loss, [](const LossSetting& l) { return l.name(); }),
       choice("moe-routing",
              "estimate, plan, fit, doctor on a mixture of experts: the routing to assume: balanced (default), worst "
              "(top_k experts take every token) or the hottest expert's load relative to the balanced share, as "
@@ -527,6 +533,11 @@ void validate(const RunConfig& c) {
     fail("--offload {} with {} data-parallel ranks: not supported yet; accepted: one process, or --shard optimizer to "
          "split the optimizer state over the ranks instead",
          offload_name(c.offload), world_size_of(c));
+  }
+  if (c.loss.chunked && c.shard == ShardLevel::full && world_size_of(c) > 1) {
+    fail("--loss {} with --shard full: not supported yet (the head is released after the forward that gathers it); "
+         "accepted: --loss full, or --shard optimizer or gradients",
+         c.loss.name());
   }
   if (c.base_weights == BaseWeights::nf4 && !c.finetune.is_lora()) {
     fail("--base-weights nf4 needs --finetune lora:r=R,... (the 4-bit base is frozen; only adapters train)");

@@ -1,7 +1,7 @@
 // StepSettings — the levers one training step runs with, declared once.
 //
 // The micro-batch and its accumulation (lever 3), the sequence length, precision (4), activation
-// checkpointing (5), the attention path, the optimizer (8) and whose update of it an estimate
+// checkpointing (5), the attention path, the loss (full or chunked), the optimizer (8) and whose update of it an estimate
 // predicts, the data-parallel shard level (6), what is offloaded to host memory, the routing an estimate assumes for a mixture of
 // experts, and which parameters train (frozen ones, LoRA adapters). What a run is told (RunConfig,
 // config/run_config.h), what the estimator predicts (TrainSpec, estimate/estimator.h) and what the
@@ -16,6 +16,7 @@
 #include "config/base_weights.h"
 #include "config/checkpoint_policy.h"
 #include "config/finetune.h"
+#include "config/loss.h"
 #include "config/moe_routing.h"
 #include "config/offload.h"
 #include "config/optimizer_kind.h"
@@ -38,6 +39,7 @@ struct StepSettings {
   Finetune finetune;   // which parameters train: all, all but frozen ones, or LoRA adapters
   BaseWeights base_weights = BaseWeights::dense;  // LoRA's frozen projections: dense, or NF4
   Offload offload = Offload::none;  // what lives in host memory (the optimizer's state and update)
+  LossSetting loss;                 // the head and the loss over all tokens at once, or in chunks
 
   // This object as the step's settings alone, to assign or compare them whole.
   StepSettings& step() { return *this; }

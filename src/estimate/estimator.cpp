@@ -159,6 +159,11 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
     fail("--offload {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: one rank",
          offload_name(spec.offload), spec.world);
   }
+  if (spec.world > 1 && spec.loss.chunked && spec.shard == ShardLevel::full) {
+    fail("--loss {} with --shard full: not supported yet (train refuses it); accepted: --loss full, or --shard "
+         "optimizer or gradients",
+         spec.loss.name());
+  }
   replay::StepReplay step(model, spec);
   return step.run();
 }

@@ -239,7 +239,8 @@ Tensor LayerReplay::checkpointed(const std::function<Tensor(const Tensor&)>& fn,
   y.slot = std::make_shared<sim::GradSlot>();
   y.slot->numel = y.numel;
   y.slot->elem = y.elem;
-  g_->record({&y}, {x.buf, rng}, [this, fn, x, rng_bytes](const std::vector<Ref>& in) {
+  // The RNG state is the node's own data, not a saved tensor (nothing offloads it).
+  g_->record({&y}, {x.buf}, [this, fn, x = meta(x), rng, rng_bytes](const std::vector<Ref>& in) {
     // Recompute under grad mode (and a fresh autocast cache), then backpropagate through it.
     // The generator state to put back afterwards, and the saved one being replayed.
     Ref restore = mem_.allocate(rng_bytes, tmp_), replayed = mem_.allocate(rng_bytes, tmp_);
@@ -308,6 +309,18 @@ Tensor LayerReplay::gate_backward(const Tensor& x, int unit) {
 }
 
 Tensor LayerReplay::forward(int64_t rows) {
+  Tensor x = trunk(rows);
+  const int logits_lbl = mem_.label("logits", Category::logits, "B·T·vocab in the matmul dtype");
+  Tensor logits = linear(x, head(), nullptr, logits_lbl);
+  if (gate_) gate_->forward_done(0, g_->grad_mode());
+  return logits;
+}
+
+const sim::Param& LayerReplay::head() {
+  return c_.tie_word_embeddings ? p("embed_tokens.weight") : p("lm_head.weight");
+}
+
+Tensor LayerReplay::trunk(int64_t rows) {
   const int64_t t = s_.seq, tokens = rows * t, h = c_.hidden_size;
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
   const Param& embed = p("embed_tokens.weight");
@@ -335,24 +348,37 @@ Tensor LayerReplay::forward(int64_t rows) {
     tables(rope.cos, rope.sin);
     if (c_.local_rope_theta) tables(rope.local_cos, rope.local_sin);
   }
+  sim::SavedOffload offload;
+  const bool offloading = offloads_activations(s_.offload) && g_->grad_mode();
+  if (offloading) {
+    offload.host_label = act("offloaded activations", "--offload activations: the storages each layer saves, in host memory");
+    offload.restored = act("restored activations",
+                           "--offload activations: a node's saved tensors copied back to the device while it runs");
+    offload.keep = [this](const Ref& r) {
+      for (const auto& [name, prm] : params_)
+        if (prm.t.buf == r) return true;
+      return false;
+    };
+  }
   for (int64_t i = 0; i < c_.num_layers; ++i) {
     const int unit = 1 + static_cast<int>(i);
     if (gate_) gate_->gather(unit);
+    if (offloading) g_->set_offload(&offload);
     if (s_.checkpointing.whole_layer(i) && g_->grad_mode()) {
       x = checkpointed([this, i, rope](const Tensor& in) { return block(i, in, rope, false); }, x);
     } else {
       x = block(i, x, rope, s_.checkpointing.attention_only());
+    }
+    if (offloading) {
+      g_->set_offload(nullptr);
+      offload.copies.clear();
     }
     if (gate_) {
       gate_->forward_done(unit, g_->grad_mode());
       x = gate_backward(x, unit);
     }
   }
-  x = norm(x, p("final_norm.weight"), maybe("final_norm.bias"));
-  const int logits_lbl = mem_.label("logits", Category::logits, "B·T·vocab in the matmul dtype");
-  Tensor logits = linear(x, c_.tie_word_embeddings ? embed : p("lm_head.weight"), nullptr, logits_lbl);
-  if (gate_) gate_->forward_done(0, g_->grad_mode());
-  return logits;
+  return norm(x, p("final_norm.weight"), maybe("final_norm.bias"));
 }
 
 }  // namespace headroom::replay

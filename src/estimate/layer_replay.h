@@ -50,6 +50,10 @@ class LayerReplay : protected sim::Ops {
   void construct_model();
   // CausalLM::forward over `rows` sequences: the logits.
   sim::Tensor forward(int64_t rows);
+  // CausalLM::hidden_states: the same without the head, the final norm's output.
+  sim::Tensor trunk(int64_t rows);
+  // The head's weight (the embedding's, when tied).
+  const sim::Param& head();
 
   const ModelConfig& c_;
   const TrainSpec& s_;

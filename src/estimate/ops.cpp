@@ -509,6 +509,78 @@ Tensor Ops::token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets
   return loss;
 }
 
+Tensor Ops::chunked_loss(const Tensor& hidden, const Param& head, int64_t tokens, int64_t chunk, int targets_label,
+                         int loss_label) {
+  const int64_t h = head.cols, vocab = head.rows;
+  const int he = hidden.elem, we = head.t.elem, ce = mixed_ ? 2 : hidden.elem;
+  const int logits_lbl = mem_.label("loss chunk logits", Category::logits,
+                                    "--loss chunked: one chunk's logits, chunk × vocab in the matmul dtype and in "
+                                    "float32 (forward, and again in backward)");
+  const int copy_lbl = act("autocast activation copies", "2-byte copies of float32 matmul inputs");
+  Ref targets = mem_.allocate(tokens * 8, targets_label);
+  Ref hc = ce != he ? mem_.allocate(tokens * h * ce, copy_lbl) : hidden.buf;
+  Ref wc = ce != we ? mem_.allocate(vocab * h * ce, copies_) : nullptr;
+  Ref lse = mem_.allocate(tokens * 4, loss_label);
+  Ref total = mem_.allocate(4, loss_label);
+  for (int64_t s = 0; s < tokens; s += chunk) {
+    const int64_t n = std::min(chunk, tokens - s);
+    Ref logits = mem_.allocate(n * vocab * ce, logits_lbl);
+    Ref lf = logits;
+    if (ce != 4) {
+      lf = mem_.allocate(n * vocab * 4, logits_lbl);
+      logits.reset();
+    }
+    Ref picked = mem_.allocate(n * 4, tmp_), top = mem_.allocate(n * 4, tmp_), sum = mem_.allocate(n * 4, tmp_);
+    lf.reset();
+    logits.reset();
+    Ref diff = mem_.allocate(n * 4, tmp_);
+    Ref part = mem_.allocate(4, tmp_);
+  }
+  wc.reset();
+  const bool rg = hidden.requires_grad() || head.t.requires_grad();
+  Tensor loss = make(1, 4, loss_label, rg);
+  total.reset();
+  g_->record({&loss}, {hc, targets, lse},
+             [this, hidden = meta(hidden), head = meta(head.t), tokens, chunk, h, vocab, he, we, ce, logits_lbl,
+              copy_lbl](const std::vector<Ref>&) {
+               Ref wc = ce != we ? mem_.allocate(vocab * h * ce, copies_) : nullptr;
+               Ref grad_h = mem_.allocate(tokens * h * ce, tmp_);
+               Ref grad_w = head.slot ? mem_.allocate(vocab * h * 4, tmp_) : nullptr;
+               Ref scale = mem_.allocate(4, tmp_);
+               for (int64_t s = 0; s < tokens; s += chunk) {
+                 const int64_t n = std::min(chunk, tokens - s);
+                 Ref logits = mem_.allocate(n * vocab * ce, logits_lbl);
+                 Ref lf = logits;
+                 if (ce != 4) {
+                   lf = mem_.allocate(n * vocab * 4, logits_lbl);
+                   logits.reset();
+                 }
+                 Ref picked = mem_.allocate(n * 4, tmp_);
+                 picked.reset();
+                 if (ce != 4) {
+                   Ref low = mem_.allocate(n * vocab * ce, logits_lbl);
+                   if (grad_w) {
+                     low.reset();
+                     Ref h32 = mem_.allocate(n * h * 4, tmp_);
+                   }
+                 }
+               }
+               wc.reset();
+               if (grad_w && ce != 4) {
+                 Ref rounded = mem_.allocate(vocab * h * ce, tmp_);
+                 if (we == ce) {
+                   grad_w = rounded;
+                 }
+               }
+               if (he != ce) grad_h = mem_.allocate(tokens * h * he, tmp_);
+               std::vector<Emit> e;
+               if (hidden.slot) e.push_back(Emit{hidden.slot, grad_h});
+               if (head.slot) e.push_back(Emit{head.slot, grad_w});
+               return e;
+             });
+  return loss;
+}
+
 const std::vector<std::string>& modeled_operators() {
   static const std::vector<std::string> names = {
       "cast",
@@ -523,6 +595,7 @@ const std::vector<std::string>& modeled_operators() {
       "rotary",
       "embedding",
       "token_loss",
+      "chunked_loss",
       "fused_attention",
       "math_fallback_attention",
       "explicit_attention",

@@ -135,6 +135,14 @@ class Ops {
   // `targets_label`), then cross_entropy = nll_loss(log_softmax(x)). Returns the scalar loss;
   // the logits handle is released inside, where the real one goes.
   Tensor token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets_label, int loss_label);
+  // model/chunked_loss.h's chunked_token_loss over `hidden` ([tokens, head.cols]) and the head
+  // [vocab, hidden], `chunk` tokens at a time: the targets flattened (a copy), the hidden states in
+  // the compute dtype (kept), the head's copy in it while forward runs, and per chunk its logits,
+  // their float32 copy and the log-sum-exp's vectors; kept: one float32 per token. Backward: the
+  // head's copy again, the hidden states' gradient, the head's float32 gradient, and per chunk the
+  // recomputed logits, their float32 softmax and its copy in the compute dtype.
+  Tensor chunked_loss(const Tensor& hidden, const Param& head, int64_t tokens, int64_t chunk, int targets_label,
+                      int loss_label);
 
  protected:
   // The boolean mask of positions attention may not see, as model/attention.cpp builds it.

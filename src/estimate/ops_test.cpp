@@ -24,6 +24,7 @@
 #include "device/autocast_adapter.h"
 #include "memory/budget_allocator.h"
 #include "model/attention.h"
+#include "model/chunked_loss.h"
 #include "model/experts.h"
 #include "model/rotary.h"
 #include "train/precision.h"
@@ -354,6 +355,39 @@ std::vector<Case> cases() {
                  auto logits = r.leaf(B * T * V, 4);
                  return r.measure([&] { return r.token_loss(logits, B * T, V, r.input_label(), r.label()); });
                }});
+  // model/chunked_loss.h: chunks of 48 of the 128 tokens (the last one short), in float32, under
+  // bf16 autocast (2-byte copies of the hidden states and the head), pure bf16, and with a frozen head.
+  struct ChunkedCase {
+    const char* what;
+    bool mixed, bf16, head_grad;
+  };
+  for (const ChunkedCase& k : {ChunkedCase{"float32", false, false, true}, ChunkedCase{"bf16 autocast", true, false, true},
+                               ChunkedCase{"pure bf16", false, true, true},
+                               ChunkedCase{"bf16 autocast, frozen head", true, false, false}}) {
+    constexpr int64_t kChunk = 48;
+    c.push_back({"chunked_loss", fmt::format("{}: [B·T, {}] through [{}, {}], chunks of {}", k.what, H, V, H, kChunk),
+                 [k] {
+                   const at::Tensor batch = at::randint(V, {B, T + 1}, at::TensorOptions().dtype(at::kLong));
+                   const at::ScalarType dt = k.bf16 ? at::kBFloat16 : at::kFloat;
+                   return measure_real(
+                       [dt, k] {
+                         at::Tensor w = at::randn({V, H}, at::TensorOptions().dtype(dt)).requires_grad_(k.head_grad);
+                         return std::vector<at::Tensor>{leaf({B, T, H}, dt), w};
+                       },
+                       [&batch, k](const auto& in) {
+                         const AutocastScope autocast(c10::DeviceType::CPU,
+                                                      forward_autocast(k.mixed ? Precision::bf16_mixed : Precision::fp32));
+                         return chunked_token_loss(in[0], in[1], batch.narrow(1, 1, T), kChunk);
+                       });
+                 },
+                 [k] {
+                   Replay r(k.mixed);
+                   const int elem = k.bf16 ? 2 : 4;
+                   auto x = r.leaf(B * T * H, elem);
+                   sim::Param w = k.head_grad ? r.param(V, H, elem) : sim::Param{r.constant(V * H, elem), V, H};
+                   return r.measure([&] { return r.chunked_loss(x, w, B * T, kChunk, r.input_label(), r.label()); });
+                 }});
+  }
   // A mixture of experts (model/experts.cpp) on real routing: the model is told the loads the
   // router really produced for these inputs.
   for (bool mixed : {false, true}) {

@@ -35,7 +35,7 @@ class OptimizerReplay {
   void update_temporaries();
 
  private:
-  bool offloaded() const { return s_.offload == Offload::optimizer; }
+  bool offloaded() const { return offloads_optimizer(s_.offload); }
   // The optimizer's own memory: on the device, or in host memory when offloaded.
   sim::Ref allocate(int64_t bytes, int label) {
     return offloaded() ? mem_.allocate_host(bytes, label) : mem_.allocate(bytes, label);

@@ -62,6 +62,8 @@ Ref Memory::allocate_host(int64_t bytes, int label) {
   return std::make_shared<Buffer>(this, static_cast<int>(buffers_.size() - 1));
 }
 
+int64_t Memory::bytes(const Ref& buffer) const { return buffers_[static_cast<size_t>(buffer->id())].bytes; }
+
 void Memory::relabel(const Ref& buffer, int label) {
   Slot& s = buffers_[static_cast<size_t>(buffer->id())];
   by_label_[static_cast<size_t>(s.label)] -= s.bytes;
@@ -128,6 +130,16 @@ void Graph::record(const std::vector<const Tensor*>& outputs, std::vector<Ref> s
   }
   if (n.outputs.empty()) return;
   n.saved = std::move(saved);
+  if (offload_) {
+    n.restore_label = offload_->restored;
+    for (Ref& r : n.saved) {
+      if (!r || mem_.bytes(r) == 0 || offload_->keep(r)) continue;
+      Ref& host = offload_->copies[r->id()];
+      if (!host) host = mem_.allocate_host(mem_.bytes(r), offload_->host_label);
+      n.restore.push_back(mem_.bytes(r));
+      r = host;
+    }
+  }
   n.backward = std::move(backward);
   nodes_.push_back(std::move(n));
 }
@@ -194,7 +206,11 @@ void Graph::backward(const Tensor& root, Ref seed) {
       any = any || s->grad != nullptr;
     }
     std::vector<Emit> out;
-    if (any) out = n.backward(incoming);
+    if (any) {
+      std::vector<Ref> restored;  // offloaded saved tensors, back on the device while the node runs
+      for (int64_t bytes : n.restore) restored.push_back(mem_.allocate(bytes, n.restore_label));
+      out = n.backward(incoming);
+    }
     // The node's inputs (incoming gradients) and saved tensors go once it has run.
     incoming.clear();
     for (const SlotPtr& s : n.outputs) {

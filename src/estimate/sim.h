@@ -14,6 +14,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -72,6 +73,8 @@ class Memory {
   // live(), the peak or the events — with a peak of its own.
   Ref allocate_host(int64_t bytes, int label);
   void relabel(const Ref& buffer, int label);
+  // The bytes `buffer` was allocated with (before rounding).
+  int64_t bytes(const Ref& buffer) const;
   // A phase's peak is at least what is live when it begins (zero_grad allocates nothing).
   void set_phase(Phase phase) {
     phase_ = phase;
@@ -179,6 +182,16 @@ struct Emit {
   bool view = false;
 };
 
+// --offload activations (model/activation_offload.h): while a Graph has one set, the buffers a
+// recorded node saves go to host memory, one copy per buffer while `copies` lasts (a layer), except
+// those `keep` names (parameters); backward copies each back to the device, under `restored`, for
+// the node that unpacks it, and frees it once the node has run.
+struct SavedOffload {
+  std::function<bool(const Ref&)> keep;
+  int host_label = 0, restored = 0;
+  std::map<int, Ref> copies;  // by buffer id
+};
+
 class Graph {
  public:
   explicit Graph(Memory& memory) : mem_(memory) {}
@@ -197,6 +210,8 @@ class Graph {
   // gradients for the inputs. Not recorded when grad mode is off or no output requires grad.
   using Backward = std::function<std::vector<Emit>(const std::vector<Ref>& incoming)>;
   void record(const std::vector<const Tensor*>& outputs, std::vector<Ref> saved, Backward backward);
+  // Null: saved buffers stay where they are.
+  void set_offload(SavedOffload* offload) { offload_ = offload; }
 
   // A gradient buffer for `input` (its size and dtype), allocated now.
   Ref grad_for(const Tensor& input, int label);
@@ -211,6 +226,8 @@ class Graph {
   struct Node {
     std::vector<SlotPtr> outputs;
     std::vector<Ref> saved;
+    std::vector<int64_t> restore;  // offloaded: the bytes backward copies back
+    int restore_label = 0;
     Backward backward;
   };
   void accumulate(Emit e);
@@ -219,6 +236,7 @@ class Graph {
   bool grad_mode_ = true;
   std::vector<Node> nodes_;
   int temporaries_ = -1;
+  SavedOffload* offload_ = nullptr;
 };
 
 }  // namespace headroom::sim

@@ -82,7 +82,9 @@ Tensor StepReplay::forward_phase(int64_t rows, int batch_lbl, int loss_lbl) {
   mem_.set_phase(Phase::forward);
   std::map<const Param*, Tensor> cache;
   cache_ = &cache;
-  Tensor loss = token_loss(forward(rows), tokens, vocab, batch_lbl, loss_lbl);
+  Tensor loss = s_.loss.chunked ? chunked_loss(trunk(rows), head(), tokens,
+                                                chunk_tokens(s_.loss, tokens, vocab, c_.hidden_size), batch_lbl, loss_lbl)
+                                 : token_loss(forward(rows), tokens, vocab, batch_lbl, loss_lbl);
   if (!aux_.empty()) {
     // The router's load-balancing loss (model/experts.h), from each sparse layer's statistics,
     // added to the loss.

@@ -85,6 +85,7 @@ void MemoryMonitor::exit_phase(Phase p) {
     in_flight_.peak_reserved = std::max(in_flight_.peak_reserved.value_or(0), st->peak_reserved);
     in_flight_.peak_inactive_split = std::max(in_flight_.peak_inactive_split.value_or(0), st->peak_inactive_split);
   }
+  if (const auto host = probe_.host_peak_bytes()) in_flight_.host_peak = std::max(in_flight_.host_peak.value_or(0), *host);
   m.seen = true;
   probe_.set_context(step_, Phase::idle);
 }

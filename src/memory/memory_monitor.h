@@ -65,6 +65,8 @@ struct StepMemory {
   // A caching allocator's (cuda, cpu caching): reserved bytes after the step and the step's highest,
   // and the most free bytes inside split segments (inactive split) in it.
   std::optional<int64_t> reserved, peak_reserved, peak_inactive_split;
+  // Where the probe has a host pool (the budget allocator's): its highest over the step's phases.
+  std::optional<int64_t> host_peak;
   nlohmann::json to_json() const;  // {"forward": {"live_in", "live_out", "peak", "breakdown"}, ...}
 };
 

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <memory>
+#include <optional>
 
 #include "device/storage_adapter.h"
 #include "model/activation.h"
@@ -485,6 +486,27 @@ at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTabl
 }
 
 at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
+  Trunk trunk = run_trunk(input_ids, o, router);
+  at::Tensor logits = at::linear(trunk.hidden, head_);
+  if (o.gate) o.gate->forward_done(0);
+  report_router(trunk, router);
+  return logits;
+}
+
+at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
+  TORCH_CHECK(o.gate == nullptr, "hidden_states: not with a parameter gate");
+  Trunk trunk = run_trunk(input_ids, o, router);
+  report_router(trunk, router);
+  return trunk.hidden;
+}
+
+void CausalLM::report_router(const Trunk& trunk, RouterOutput* router) const {
+  if (!router) return;
+  router->skew = trunk.stats->skew;
+  if (trunk.stats->balance && trunk.stats->rows > 0) router->loss = load_balancing_loss(*trunk.stats, *config_.moe);
+}
+
+CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got ", input_ids.sizes());
   const int64_t t = input_ids.size(1);
   if (t > config_.max_positions) {
@@ -522,9 +544,12 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
     const Layer* l = &layers_[i];
     const int unit = 1 + static_cast<int>(i);
     if (gate) gate->gather(unit);
+    std::optional<ActivationOffload::LayerScope> offloaded;
+    if (o.offload && c10::GradMode::is_enabled()) offloaded.emplace(*o.offload);
     if (o.checkpoint.whole_layer(static_cast<int64_t>(i)) && c10::GradMode::is_enabled()) {
       ForwardOptions inner = o;
       inner.checkpoint = {};  // nothing nested inside a checkpointed layer
+      inner.offload = nullptr;  // its recompute runs in backward
       // Only the routing's skew from a checkpointed layer (its load-balancing loss is refused above).
       std::shared_ptr<RouterStats> skew = collect ? stats : nullptr;
       x = checkpointed(
@@ -537,14 +562,7 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
       x = gate_backward(x, gate, unit);  // backward finds the layer's parameters in place again
     }
   }
-  x = norm(x, final_norm_w_, final_norm_b_);
-  at::Tensor logits = at::linear(x, head_);
-  if (gate) gate->forward_done(0);
-  if (router) {
-    router->skew = stats->skew;
-    if (balance && stats->rows > 0) router->loss = load_balancing_loss(*stats, *config_.moe);
-  }
-  return logits;
+  return {norm(x, final_norm_w_, final_norm_b_), stats};
 }
 
 }  // namespace headroom

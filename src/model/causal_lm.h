@@ -22,6 +22,7 @@
 #include "model/checkpointing.h"
 #include "model/experts.h"
 #include "model/lora.h"
+#include "model/activation_offload.h"
 #include "model/nf4.h"
 #include "model/parameter_gate.h"
 #include "model/rotary.h"
@@ -34,6 +35,8 @@ struct ForwardOptions {
   bool training = true;         // dropout on
   CheckpointPolicy checkpoint;  // applies only while gradients are being recorded
   ParameterGate* gate = nullptr;  // ZeRO-3: where the parameters are kept between uses (null: in place)
+  // --offload activations: what each layer saves goes to host memory (null: it stays)
+  std::shared_ptr<ActivationOffload> offload;
 };
 
 class CausalLM {
@@ -63,6 +66,13 @@ class CausalLM {
   // config asks for it (output_router_logits) and gradients are recorded, its load-balancing loss
   // times router_aux_loss_coef (left undefined otherwise), which the caller adds to the loss.
   at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options, RouterOutput* router = nullptr) const;
+  // The same forward without the head: the final norm's output [B, T, hidden], for a loss that
+  // applies head_weight() itself (model/chunked_loss.h). Not with a ParameterGate (the head's unit
+  // would stay gathered).
+  at::Tensor hidden_states(const at::Tensor& input_ids, const ForwardOptions& options,
+                           RouterOutput* router = nullptr) const;
+  // The LM head's weight [vocab, hidden] (the embedding's, when tied).
+  const at::Tensor& head_weight() const { return head_; }
 
   const ModelConfig& config() const { return config_; }
   const std::vector<NamedTensor>& parameters() const { return params_; }
@@ -123,6 +133,13 @@ class CausalLM {
   at::Tensor norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
   at::Tensor attention(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o) const;
   at::Tensor mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const;
+  // The model up to its head: the final norm's output, and the routing statistics gathered on the way.
+  struct Trunk {
+    at::Tensor hidden;
+    std::shared_ptr<RouterStats> stats;
+  };
+  Trunk run_trunk(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const;
+  void report_router(const Trunk& trunk, RouterOutput* router) const;
   at::Tensor block(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o,
                    RouterStats* stats) const;
 

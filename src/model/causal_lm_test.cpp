@@ -10,6 +10,14 @@
 namespace headroom {
 namespace {
 
+// A forward without dropout on `path`.
+ForwardOptions inference(AttentionPath path) {
+  ForwardOptions o;
+  o.attention = path;
+  o.training = false;
+  return o;
+}
+
 using testing::shrunk_models;
 using testing::ShrunkModel;
 
@@ -21,7 +29,7 @@ TEST_P(EveryFamily, LogitsHaveShapeBatchSeqVocab) {
   const ModelConfig c = GetParam().load();
   CausalLM model(c, kCpu, 1);
   auto ids = at::randint(0, 256, {3, 16}, at::TensorOptions().dtype(at::kLong));
-  auto logits = model.forward(ids, {AttentionPath::flash, false});
+  auto logits = model.forward(ids, inference(AttentionPath::flash));
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 16, c.vocab_size}));
   EXPECT_TRUE(logits.isfinite().all().item<bool>());
 }
@@ -38,8 +46,8 @@ TEST_P(EveryFamily, FlashAndMathAttentionAgree) {
   const ModelConfig c = GetParam().load();
   CausalLM model(c, kCpu, 2);
   auto ids = at::randint(0, 256, {2, 24}, at::TensorOptions().dtype(at::kLong));
-  auto flash = model.forward(ids, {AttentionPath::flash, false});
-  auto math = model.forward(ids, {AttentionPath::math, false});
+  auto flash = model.forward(ids, inference(AttentionPath::flash));
+  auto math = model.forward(ids, inference(AttentionPath::math));
   EXPECT_TRUE(at::allclose(flash, math, 1e-4, 1e-5)) << (flash - math).abs().max().item<float>();
 }
 
@@ -51,8 +59,8 @@ TEST_P(EveryFamily, IsCausal) {
   auto changed = ids.clone();
   changed[0][11] = (ids[0][11].item<int64_t>() + 1) % 256;
   for (auto path : {AttentionPath::flash, AttentionPath::math}) {
-    auto a = model.forward(ids, {path, false});
-    auto b = model.forward(changed, {path, false});
+    auto a = model.forward(ids, inference(path));
+    auto b = model.forward(changed, inference(path));
     if (!c.moe) {
       EXPECT_TRUE(at::equal(a.narrow(1, 0, 11), b.narrow(1, 0, 11)));
     } else {
@@ -87,8 +95,8 @@ TEST(CausalLM, SlidingWindowLimitsWhatAPositionSees) {
   auto changed = ids.clone();
   changed[0][0] = (ids[0][0].item<int64_t>() + 1) % 256;
   for (auto path : {AttentionPath::flash, AttentionPath::math}) {
-    auto a = model.forward(ids, {path, false});
-    auto b = model.forward(changed, {path, false});
+    auto a = model.forward(ids, inference(path));
+    auto b = model.forward(changed, inference(path));
     EXPECT_FALSE(at::allclose(a.select(1, 3), b.select(1, 3)));
     EXPECT_TRUE(at::allclose(a.narrow(1, 4, 6), b.narrow(1, 4, 6), 1e-5, 1e-6));
   }

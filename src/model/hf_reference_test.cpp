@@ -19,6 +19,14 @@
 namespace headroom {
 namespace {
 
+// A forward without dropout on `path`.
+ForwardOptions inference(AttentionPath path) {
+  ForwardOptions o;
+  o.attention = path;
+  o.training = false;
+  return o;
+}
+
 class MatchesHuggingFace : public ::testing::TestWithParam<std::string> {
  protected:
   // The family's fixture: its directory, its config, the input ids and transformers' logits.
@@ -39,7 +47,7 @@ class MatchesHuggingFace : public ::testing::TestWithParam<std::string> {
   // The model's logits against transformers', on `path`.
   void expect_logits(const CausalLM& model, AttentionPath path) const {
     c10::NoGradGuard no_grad;
-    const auto logits = model.forward(ids_, {path, /*training=*/false});
+    const auto logits = model.forward(ids_, inference(path));
     ASSERT_EQ(logits.sizes(), expected_.sizes());
     const double diff = (logits - expected_).abs().max().item<double>();
     const double scale = expected_.abs().max().item<double>();

@@ -26,7 +26,7 @@ double attention_matmul_params(const ModelConfig& c) {
 }  // namespace
 
 double micro_batch_flops(const ModelConfig& c, int64_t rows, int64_t seq, const CheckpointPolicy& checkpointing,
-                         AttentionPath attention) {
+                         AttentionPath attention, bool chunked_loss) {
   const double tokens = static_cast<double>(rows * seq), t = static_cast<double>(seq);
   const double layers = static_cast<double>(c.num_layers);
   // QKᵀ and PV: 2 · 2 · T · head_dim per query token and head; causal flash skips the upper half.
@@ -47,6 +47,7 @@ double micro_batch_flops(const ModelConfig& c, int64_t rows, int64_t seq, const 
       recompute = (2 * attention_matmul_params(c) * tokens + attn_per_layer) * layers;
       break;
   }
+  if (chunked_loss) recompute += 2 * static_cast<double>(c.vocab_size * c.hidden_size) * tokens;
   return 3 * forward + recompute;  // backward is twice the forward
 }
 
@@ -106,7 +107,7 @@ double CostModel::state_lever_seconds(int64_t trainable_params, Precision precis
                                       Offload offload) const {
   const auto n = static_cast<double>(trainable_params);
   double seconds = optimizer == OptimizerKind::adamw8bit ? n * kQuantisedUpdateSeconds : 0.0;
-  if (offload == Offload::optimizer) {
+  if (offloads_optimizer(offload)) {
     const double bytes = n * (precision == Precision::bf16 ? 2.0 : 4.0);
     seconds += 2 * bytes / kHostLinkBytesPerSecond + n * kHostUpdateSeconds;
   }
@@ -149,18 +150,22 @@ double CostModel::communication_seconds(const ModelConfig& model, Precision prec
 
 double CostModel::step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq,
                                Precision precision, const CheckpointPolicy& checkpointing,
-                               AttentionPath attention) const {
+                               AttentionPath attention, bool chunked_loss) const {
   StepTimeFit fit{0, 1e-12};
   if (auto it = fits_.find(precision); it != fits_.end()) fit = it->second;
   const int64_t full = global_rows / micro, rest = global_rows % micro;
   double seconds = static_cast<double>(full) *
                    (fit.seconds_per_micro_batch +
-                    fit.seconds_per_flop * micro_batch_flops(model, micro, seq, checkpointing, attention));
+                    fit.seconds_per_flop * micro_batch_flops(model, micro, seq, checkpointing, attention, chunked_loss));
   if (rest > 0) {
     seconds += fit.seconds_per_micro_batch +
-               fit.seconds_per_flop * micro_batch_flops(model, rest, seq, checkpointing, attention);
+               fit.seconds_per_flop * micro_batch_flops(model, rest, seq, checkpointing, attention, chunked_loss);
   }
   return seconds;
+}
+
+double CostModel::activation_offload_seconds(int64_t bytes, int64_t micro_batches) {
+  return 2 * static_cast<double>(bytes) * static_cast<double>(micro_batches) / kHostLinkBytesPerSecond;
 }
 
 }  // namespace headroom

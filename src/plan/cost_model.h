@@ -23,9 +23,10 @@
 
 namespace headroom {
 
-// FLOPs of one micro-batch's forward and backward (with recompute) of `rows` sequences.
+// FLOPs of one micro-batch's forward and backward (with recompute) of `rows` sequences; a chunked
+// loss recomputes the head's matmul in backward.
 double micro_batch_flops(const ModelConfig& model, int64_t rows, int64_t seq, const CheckpointPolicy& checkpointing,
-                         AttentionPath attention);
+                         AttentionPath attention, bool chunked_loss = false);
 
 struct StepTimeFit {
   double seconds_per_micro_batch = 0;  // a
@@ -50,7 +51,10 @@ class CostModel {
 
   // Seconds of one optimizer step of `global_rows` sequences as micro-batches of `micro` rows.
   double step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq, Precision precision,
-                      const CheckpointPolicy& checkpointing, AttentionPath attention) const;
+                      const CheckpointPolicy& checkpointing, AttentionPath attention, bool chunked_loss = false) const;
+  // What offloading `bytes` of saved activations per micro-batch adds: down in forward and back in
+  // backward over kHostLinkBytesPerSecond (assumed, not measured), for each of `micro_batches`.
+  static double activation_offload_seconds(int64_t bytes, int64_t micro_batches);
   // Seconds of one step's collectives on each of `world` ranks at `shard` with `accum` micro-batches:
   // the ring algorithms' bytes per rank — allreduce 2(N-1)/N of the gradients (none); reduce-scatter
   // (N-1)/N of them (once, or per micro-batch at gradients) and allgather (N-1)/N of the weights

@@ -15,6 +15,7 @@ const char* lever_name(Lever lever) {
     case Lever::optimizer: return "optimizer";
     case Lever::offload: return "offload";
     case Lever::base_weights: return "base weights";
+    case Lever::loss: return "loss";
     case Lever::shard: return "shard";
   }
   return "?";
@@ -58,12 +59,20 @@ std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_ch
 
 std::vector<Offload> offload_settings(Offload given, bool allow, int64_t world) {
   if (!allow || world > 1) return {given};
-  return given == Offload::none ? std::vector<Offload>{Offload::none, Offload::optimizer}
-                                : std::vector<Offload>{given, Offload::none};
+  std::vector<Offload> out = {given};
+  for (Offload o : kOffloads) {
+    if (o != given) out.push_back(o);
+  }
+  return out;
+}
+
+std::vector<LossSetting> loss_settings(const LossSetting& given, ShardLevel shard, int64_t world) {
+  if (given.chunked || (shard == ShardLevel::full && world > 1)) return {given};
+  return {given, LossSetting{true, 0}};
 }
 
 bool trainable_where(OptimizerKind optimizer, Offload offload, bool cuda) {
-  return !(cuda && optimizer == OptimizerKind::adamw8bit && offload != Offload::optimizer);
+  return !(cuda && optimizer == OptimizerKind::adamw8bit && !offloads_optimizer(offload));
 }
 
 std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& model) {
@@ -120,6 +129,17 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
     add(Lever::offload, "optimizer",
         "the optimizer's state and update in host memory: each step copies the gradients down and the parameters up",
         [](RunConfig& c) { c.offload = Offload::optimizer; });
+  }
+  if (!offloads_activations(cfg.offload) && world_size_of(cfg) == 1) {
+    const Offload with = offloads_optimizer(cfg.offload) ? Offload::both : Offload::activations;
+    add(Lever::offload, offload_name(with),
+        "what each layer saves for backward in host memory, copied back as backward needs it",
+        [with](RunConfig& c) { c.offload = with; });
+  }
+  if (!cfg.loss.chunked && !(cfg.shard == ShardLevel::full && world_size_of(cfg) > 1)) {
+    add(Lever::loss, "chunked",
+        "the head and the loss a chunk of tokens at a time: never the whole tokens x vocab logits",
+        [](RunConfig& c) { c.loss = LossSetting{true, 0}; });
   }
   if (cfg.finetune.is_lora() && cfg.base_weights == BaseWeights::dense) {
     add(Lever::base_weights, "nf4",

@@ -14,7 +14,7 @@
 
 namespace headroom {
 
-enum class Lever { accumulation, precision, checkpointing, attention, optimizer, offload, base_weights, shard };
+enum class Lever { accumulation, precision, checkpointing, attention, optimizer, offload, base_weights, loss, shard };
 const char* lever_name(Lever lever);
 
 // The settings of each lever, as the planner enumerates them.
@@ -32,8 +32,11 @@ std::vector<ShardLevel> shard_settings(int64_t world);
 // The optimizers from the given one: only it, or (allow_change) every kind, the given one first;
 // with allow_8bit, adamw8bit too where the given one is Adam or AdamW (the same update).
 std::vector<OptimizerKind> optimizer_settings(OptimizerKind given, bool allow_change, bool allow_8bit = false);
-// What may be offloaded: the given setting, or (allow) none and the optimizer with one rank.
+// What may be offloaded: the given setting, or (allow) every setting with one rank.
 std::vector<Offload> offload_settings(Offload given, bool allow, int64_t world);
+// The loss: the given one, and chunked where it is full (the same numbers; not with --shard full on
+// ranks, which the trainer refuses).
+std::vector<LossSetting> loss_settings(const LossSetting& given, ShardLevel shard, int64_t world);
 // Whether a run of these settings can train at all where `cuda` says: adamw8bit's update runs on
 // the cpu, so on cuda only offloaded.
 bool trainable_where(OptimizerKind optimizer, Offload offload, bool cuda);

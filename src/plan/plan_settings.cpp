@@ -75,7 +75,17 @@ nlohmann::json training_arguments(const Plan& p) {
         "checkpointing {}: transformers checkpoints every layer; its peak is lower and its step slower than planned",
         p.checkpointing.name()));
   }
-  if (p.offload == Offload::optimizer) {
+  if (offloads_activations(p.offload)) {
+    notes.push_back(
+        "offload activations has no TrainingArguments setting: run the model's forward inside "
+        "headroom.offload_activations() (torch.autograd.graph.saved_tensors_hooks), e.g. in compute_loss");
+  }
+  if (p.loss.chunked) {
+    notes.push_back(
+        "loss chunked has no TrainingArguments setting: compute the loss with headroom.chunked_cross_entropy("
+        "hidden, model.lm_head.weight, labels) in compute_loss (or Liger's fused linear cross-entropy on cuda)");
+  }
+  if (offloads_optimizer(p.offload)) {
     notes.push_back(
         "offload optimizer has no TrainingArguments setting: pass optimizers=(torchao.optim.CPUOffloadOptimizer("
         "model.parameters(), torch.optim.AdamW), None) to Trainer, or use DeepSpeed's "
@@ -119,7 +129,7 @@ std::string torch_loop_code(const Plan& p, const std::string& device) {
             ? "every layer's attention block"
             : fmt::format("layers 0, {0}, 2*{0}, ...", p.checkpointing.every));
   }
-  if (p.offload == Offload::optimizer) {
+  if (offloads_optimizer(p.offload)) {
     out += fmt::format(
         "# offload optimizer: the state and update in host memory (pip install torchao)\n"
         "optimizer = torchao.optim.CPUOffloadOptimizer(model.parameters(), {})\n",
@@ -138,7 +148,17 @@ std::string torch_loop_code(const Plan& p, const std::string& device) {
     out += fmt::format("    with torch.autocast(device_type=\"{}\", dtype={}):\n", device, dtype);
     indent = "        ";
   }
-  out += indent + "loss = model(**batch).loss / accum\n";
+  if (offloads_activations(p.offload)) {
+    out += indent + "with headroom.offload_activations():  # what autograd saves, in host memory until backward\n";
+    indent += "    ";
+  }
+  if (p.loss.chunked) {
+    out += indent + "# chunked loss: the head and the cross-entropy a chunk of tokens at a time (import headroom)\n";
+    out += indent + "hidden = model.model(input_ids=batch[\"input_ids\"]).last_hidden_state[:, :-1]\n";
+    out += indent + "loss = headroom.chunked_cross_entropy(hidden, model.lm_head.weight, batch[\"labels\"][:, 1:]) / accum\n";
+  } else {
+    out += indent + "loss = model(**batch).loss / accum\n";
+  }
   out += p.precision == Precision::fp16_mixed ? "    scaler.scale(loss).backward()\n" : "    loss.backward()\n";
   out += "    if (i + 1) % accum == 0:\n";
   out += p.precision == Precision::fp16_mixed ? "        scaler.step(optimizer)\n        scaler.update()\n"

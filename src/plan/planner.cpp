@@ -20,6 +20,7 @@ nlohmann::json Plan::to_json() const {
           {"optimizer", optimizer_name(optimizer)},
           {"attention", attention_path_name(attention)},
           {"offload", offload_name(offload)},
+          {"loss", loss.name()},
           {"shard", shard_level_name(shard)},
           {"world_size", world},
           {"predicted_peak_bytes", predicted_peak_bytes},
@@ -28,9 +29,12 @@ nlohmann::json Plan::to_json() const {
 }
 
 std::string Plan::describe() const {
-  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}{}", batch, accum,
+  std::string offloaded;
+  if (offloads_optimizer(offload)) offloaded += " offloaded to host memory";
+  if (offloads_activations(offload)) offloaded += ", activations offloaded to host memory";
+  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}{}{}", batch, accum,
                      precision_name(precision), checkpointing.name(), attention_path_name(attention),
-                     optimizer_name(optimizer), offload == Offload::none ? "" : " offloaded to host memory",
+                     optimizer_name(optimizer), offloaded, loss.chunked ? ", chunked loss" : "",
                      world > 1 ? fmt::format(", on each of {} ranks with --shard {}", world, shard_level_name(shard))
                                : "");
 }
@@ -83,7 +87,9 @@ PlanResult fitting_plans(const PlanRequest& r) {
             for (Offload offload : offload_settings(r.base.offload, r.allow_offload, world)) {
             if (!trainable_where(optimizer, offload, base_spec.cuda)) continue;
             for (ShardLevel shard : shard_settings(world)) {
+            for (const LossSetting& loss : loss_settings(r.base.loss, shard, world)) {
               TrainSpec spec = base_spec;
+              spec.loss = loss;
               spec.batch = micro;
               spec.accum = (per_rank + micro - 1) / micro;
               spec.precision = precision;
@@ -102,11 +108,15 @@ PlanResult fitting_plans(const PlanRequest& r) {
               p.world = world;
               p.predicted_peak_bytes = peak;
               p.trainable_params = e.trainable_params;
+              for (const EstimateItem& item : e.host_items) {
+                if (item.name == "offloaded activations") p.offloaded_activation_bytes = item.bytes;
+              }
               if (out.smallest_peak < 0 || peak < out.smallest_peak) {
                 out.smallest_peak = peak;
                 out.smallest_peak_plan = p.describe();
               }
               if (static_cast<double>(peak) <= limit && segments_fit) out.plans.push_back(p);
+            }
             }
             }
           }
@@ -127,7 +137,8 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
   for (Plan& p : plans.plans) {
     p.predicted_step_seconds = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
-                                                 p.checkpointing, p.attention) +
+                                                 p.checkpointing, p.attention, p.loss.chunked) +
+                               CostModel::activation_offload_seconds(p.offloaded_activation_bytes, p.accum) +
                                cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) +
                                cost.state_lever_seconds(p.trainable_params, p.precision, p.optimizer, p.offload);
   }

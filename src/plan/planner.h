@@ -27,6 +27,7 @@ struct Plan : StepSettings {
   int64_t world = 1;  // data-parallel ranks; batch and accum are per rank
   int64_t predicted_peak_bytes = 0;  // per rank
   int64_t trainable_params = 0;      // what the update touches (the state levers' cost)
+  int64_t offloaded_activation_bytes = 0;  // --offload activations: a micro-batch's, to the host and back
   double predicted_step_seconds = 0;
   double predicted_step_time_ratio = 1;  // to the best plan's
   nlohmann::json to_json() const;
@@ -41,7 +42,7 @@ struct PlanRequest {
   double margin = 0.05;      // kept free of the budget, for what the estimator cannot see
   bool allow_optimizer_change = false;  // any optimizer (they change the training dynamics)
   bool allow_adamw8bit = false;         // Adam's or AdamW's update with 8-bit states (--allow adamw8bit)
-  bool allow_offload = false;           // the optimizer in host memory (--allow offload)
+  bool allow_offload = false;           // the optimizer, the activations or both in host memory (--allow offload)
 };
 
 struct PlanResult {

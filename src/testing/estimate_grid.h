@@ -57,6 +57,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     const char* finetune = "full";
     const char* offload = "none";
     const char* base_weights = "dense";
+    const char* loss = "full";
   };
   std::vector<Variant> variants = {
       {4, 32, 1, "fp32", "flash", "adamw", "none"},           {2, 64, 1, "fp32", "math", "sgd", "none"},
@@ -85,7 +86,10 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
                 {2, 32, 1, "bf16", "flash", "adamw", "full", "lora:r=16"},
                 {2, 32, 1, "bf16", "flash", "adamw8bit", "selective", "freeze:embed_tokens.weight"},
                 {2, 32, 1, "bf16", "flash", "adamw8bit", "none", "lora:r=8,targets=q,k,v,o", "optimizer"},
-                {2, 32, 1, "bf16", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down", "none", "nf4"}};
+                {2, 32, 1, "bf16", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down", "none", "nf4"},
+                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "full", "none", "dense", "chunked:24"},
+                {2, 32, 1, "fp32", "flash", "sgd", "none", "full", "activations"},
+                {2, 32, 1, "fp32", "flash", "sgd", "full", "full", "activations", "dense", "chunked"}};
   } else if (family.label == "qwen3_moe") {
     // At most 6 GB each (fp32 weights with AdamW would hold 11.8 GB: two tests run side by side).
     variants = {{4, 32, 1, "bf16", "flash", "adamw", "none"},
@@ -100,7 +104,8 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     variants = {{2, 32, 1, "fp32", "flash", "adamw", "none"},
                 {2, 32, 1, "bf16-mixed", "math", "sgd", "none"},
                 {1, 32, 1, "bf16", "flash", "adafactor", "selective"},
-                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=16,alpha=32,targets=q,v,o"}};
+                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=16,alpha=32,targets=q,v,o"},
+                {2, 32, 1, "fp32", "flash", "sgd", "none", "full", "none", "dense", "chunked"}};
   } else if (family.label == "phi3") {
     variants = {{2, 32, 1, "fp32", "flash", "sgd", "none"},
                 {2, 32, 1, "bf16-mixed", "flash", "adafactor", "full"},
@@ -115,6 +120,9 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw8bit", "none"});
     variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "selective", "full", "optimizer"});
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=16,targets=q,o,up,down", "none", "nf4"});
+  }
+  if (family.preset == "pythia-160m") {  // untied: the head a weight of its own
+    variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "none", "full", "activations", "dense", "chunked:40"});
   }
   if (family.preset == "smollm-135m") {
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "freeze:embed_tokens.weight,layers.0.*"});
@@ -134,6 +142,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     cfg.finetune = parse_finetune(v.finetune);
     cfg.offload = parse_offload(v.offload);
     cfg.base_weights = parse_base_weights(v.base_weights);
+    cfg.loss = parse_loss(v.loss);
     cfg.device = "cpu";
     grid.push_back(cfg);
   }
@@ -148,15 +157,15 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
 inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   std::vector<size_t> keep;
   if (family.preset == "gpt2") keep = {0, 3, 4, 8, 9, 10, 11};  // fp32 adamw; fp16-mixed momentum full; bf16 adafactor; LoRA; 8-bit; offload; nf4
-  if (family.preset == "pythia-160m") keep = {1, 5, 7};  // math sgd; adagrad accum 2; bf16-mixed math accum 2
+  if (family.preset == "pythia-160m") keep = {1, 5, 7, 8};  // math sgd; adagrad accum 2; bf16-mixed math accum 2; offloaded activations with a chunked untied head
   if (family.preset == "smollm-135m") keep = {2, 6, 8};  // bf16-mixed adam selective; adamw full; frozen tied embedding
   if (family.preset == "qwen2.5-0.5b") keep = {1, 2};    // bf16-mixed math sgd selective; fp16-mixed adafactor full
   if (family.preset == "mistral-7b") keep = {0};         // math sgd at seq 32: the window of 16 masks
-  if (family.label == "qwen3") keep = {0, 1, 3, 4, 6, 7, 8};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit; offload; nf4
+  if (family.label == "qwen3") keep = {0, 1, 3, 4, 6, 7, 8, 9, 10, 11};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit; offload; nf4; chunked loss; offloaded activations; both over full checkpointing
   if (family.label == "qwen3_moe") keep = {1, 2, 3};     // bf16-mixed (fp32 weights); bf16 math full, accum 2; LoRA
   if (family.label == "qwen3_moe_128_experts") keep = {0};  // all 128 experts, bf16
   if (family.label == "mixtral") keep = {0};             // bf16 sgd, windowed
-  if (family.label == "gemma3") keep = {0, 1, 3};        // fp32 adamw; bf16-mixed math; LoRA
+  if (family.label == "gemma3") keep = {0, 1, 3, 4};     // fp32 adamw; bf16-mixed math; LoRA; chunked loss at 262,144 tokens
   if (family.label == "phi3") keep = {1, 2};             // bf16-mixed full checkpointing, windowed; LoRA fused
   if (family.label == "olmo2") keep = {0};               // bf16 adafactor
   const std::vector<RunConfig> grid = accuracy_grid(family);
@@ -174,11 +183,12 @@ inline std::vector<RunConfig> accuracy_grid() {
 }
 
 inline std::string describe(const RunConfig& c) {
-  return fmt::format("{} b{} s{} a{} {} {} {} {}{}{}{}", c.model, c.batch, c.seq, c.accum, precision_name(c.precision),
+  return fmt::format("{} b{} s{} a{} {} {} {} {}{}{}{}{}", c.model, c.batch, c.seq, c.accum, precision_name(c.precision),
                      attention_path_name(c.attention), optimizer_name(c.optimizer), c.checkpointing.name(),
                      c.finetune.full() ? "" : " " + c.finetune.name(),
                      c.offload == Offload::none ? "" : fmt::format(" offload {}", offload_name(c.offload)),
-                     c.base_weights == BaseWeights::dense ? "" : fmt::format(" base {}", base_weights_name(c.base_weights)));
+                     c.base_weights == BaseWeights::dense ? "" : fmt::format(" base {}", base_weights_name(c.base_weights)),
+                     c.loss.chunked ? " loss " + c.loss.name() : "");
 }
 
 }  // namespace headroom::testing

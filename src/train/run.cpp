@@ -217,7 +217,10 @@ void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> sli
   // Frozen parameters have no optimizer state.
   const std::vector<NamedTensor> trained =
       run.replicas ? run.replicas->optimizer_parameters() : run.model->trainable_parameters();
-  run.optimizer = cfg.offload == Offload::optimizer ? make_offloaded_optimizer(cfg.optimizer, trained, options)
+  if (offloads_activations(cfg.offload)) {
+    run.forward.offload = std::make_shared<ActivationOffload>(run.model->parameter_tensors());
+  }
+  run.optimizer = offloads_optimizer(cfg.offload) ? make_offloaded_optimizer(cfg.optimizer, trained, options)
                                                     : make_optimizer(cfg.optimizer, trained, options);
 }
 

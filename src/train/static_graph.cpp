@@ -36,7 +36,7 @@ struct Trial {
 // (without the monitor's bookkeeping, which reads allocator statistics).
 at::Tensor micro_batch_loss(const Trial& t, const at::Tensor& inputs, const at::Tensor& targets) {
   const AutocastScope autocast(t.run.device.type(), forward_autocast(t.cfg.precision));
-  return token_loss(t.run.model->forward(inputs, t.run.forward), targets);
+  return model_loss(*t.run.model, inputs, targets, t.run.forward, t.cfg.loss);
 }
 
 void micro_batch_backward(const Trial& t, const at::Tensor& loss) {

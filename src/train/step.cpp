@@ -24,10 +24,11 @@ at::Tensor forward_loss(Run& run, const MicroBatch& b) {
   auto phase = run.monitor->phase(Phase::forward);
   const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
   RouterOutput router;  // a mixture of experts' routing skew, and its load-balancing loss when asked for
-  const at::Tensor logits = run.model->forward(b.inputs, run.forward, &router);
+  at::Tensor outputs;
+  at::Tensor loss = model_loss(*run.model, b.inputs, b.targets, run.forward, run.config.loss, &router, &outputs);
   run.routing_skew = std::max(run.routing_skew, router.skew);
-  if (run.config.inject_leak == LeakInjection::keep_outputs) run.leaked_outputs.push_back(logits.detach());
-  at::Tensor loss = token_loss(logits, b.targets);
+  if (run.config.inject_leak == LeakInjection::keep_outputs) run.leaked_outputs.push_back(outputs.detach());
+  outputs.reset();
   if (router.loss.defined()) loss = loss + router.loss;
   if (run.config.inject_leak == LeakInjection::keep_graph) {
     run.leaked_loss = run.leaked_loss.defined() ? run.leaked_loss + loss : loss;
@@ -92,7 +93,8 @@ void rehearse_collectives(Run& run, int64_t step) {
   {
     const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
     RouterOutput router;
-    loss = token_loss(run.model->forward(b.inputs.to(run.device), run.forward, &router), b.targets.to(run.device));
+    loss = model_loss(*run.model, b.inputs.to(run.device), b.targets.to(run.device), run.forward, run.config.loss,
+                      &router);
     if (router.loss.defined()) loss = loss + router.loss;
   }
   (loss * 0.0).backward();
@@ -130,8 +132,9 @@ double evaluate(Run& run, int64_t rows) {
   for (const Batch& b : run.data->eval_batches(rows, run.config.eval_rows)) {
     if (!run.replicas) {
       const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
-      const at::Tensor logits = run.model->forward(b.inputs.to(run.device), eval_forward);
-      loss_sum += token_loss(logits, b.targets.to(run.device)).item<double>() * static_cast<double>(b.tokens());
+      const at::Tensor loss = model_loss(*run.model, b.inputs.to(run.device), b.targets.to(run.device), eval_forward,
+                                         run.config.loss);
+      loss_sum += loss.item<double>() * static_cast<double>(b.tokens());
       tokens += b.tokens();
       continue;
     }
@@ -141,8 +144,9 @@ double evaluate(Run& run, int64_t rows) {
     run.replicas->begin_forward();
     try {
       const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
-      const at::Tensor logits = run.model->forward(b.inputs.to(run.device), eval_forward);
-      loss_sum += token_loss(logits, b.targets.to(run.device)).item<double>() * static_cast<double>(b.tokens());
+      const at::Tensor loss = model_loss(*run.model, b.inputs.to(run.device), b.targets.to(run.device), eval_forward,
+                                         run.config.loss);
+      loss_sum += loss.item<double>() * static_cast<double>(b.tokens());
       tokens += b.tokens();
     } catch (const c10::OutOfMemoryError&) {
       run.replicas->abandon_forward();

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include "model/chunked_loss.h"
+
 namespace headroom {
 
 void seed_step(uint64_t seed, int64_t step, int rank) {
@@ -13,6 +15,20 @@ void seed_step(uint64_t seed, int64_t step, int rank) {
 
 at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}));
+}
+
+at::Tensor model_loss(const CausalLM& model, const at::Tensor& inputs, const at::Tensor& targets,
+                      const ForwardOptions& options, const LossSetting& loss, RouterOutput* router, at::Tensor* outputs) {
+  if (!loss.chunked) {
+    const at::Tensor logits = model.forward(inputs, options, router);
+    if (outputs) *outputs = logits;
+    return token_loss(logits, targets);
+  }
+  const at::Tensor hidden = model.hidden_states(inputs, options, router);
+  if (outputs) *outputs = hidden;
+  const ModelConfig& c = model.config();
+  const int64_t chunk = chunk_tokens(loss, targets.numel(), c.vocab_size, c.hidden_size);
+  return chunked_token_loss(hidden, model.head_weight(), targets, chunk);
 }
 
 }  // namespace headroom

@@ -258,7 +258,9 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   r.reserved_bytes = r.memory.reserved;
   r.peak_reserved_bytes = r.memory.peak_reserved;
   r.peak_inactive_split_bytes = r.memory.peak_inactive_split;
-  if (run.optimizer->offloaded()) r.host_peak_bytes = run.host_bytes();
+  if (run.optimizer->offloaded() || run.forward.offload) {
+    r.host_peak_bytes = r.memory.host_peak ? *r.memory.host_peak : run.host_bytes();
+  }
   r.lr = run.schedule.at(step);
   r.grad_norm = g.outcome.grad_norm;
   r.batch = g.micro;
