@@ -7,7 +7,8 @@ Wrap the layers' forward (or all of it) and call backward outside the block.
 
 On cuda the host copies are pinned. On the cpu, under headroom's counting allocator, they are made
 in its host pool: counted apart from the budgeted device (``cpu_budget``), in
-``_core.cpu_host_peak_bytes()``, so that the saving shows as it would on a card.
+``_core.cpu_host_peak_bytes()``, so that the saving shows as it would on a card; ``headroom.estimate``
+and ``headroom.measure`` of a model that uses it leave the host copies out of the device's peak.
 """
 from __future__ import annotations
 
@@ -16,22 +17,23 @@ from typing import Iterator
 
 import torch
 
-from . import _core
+from . import _core, trace
 
 __all__ = ["offload_activations"]
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cuda":
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    # headroom's own traces (estimate, measure) leave host memory out of the device's bytes.
+    with trace.host_memory():
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        else:
+            _core.set_cpu_host_pool(True)
+            try:
+                host = torch.empty(t.shape, dtype=t.dtype)
+            finally:
+                _core.set_cpu_host_pool(False)
         host.copy_(t)
-        return host
-    _core.set_cpu_host_pool(True)
-    try:
-        host = torch.empty(t.shape, dtype=t.dtype)
-    finally:
-        _core.set_cpu_host_pool(False)
-    host.copy_(t)
     return host
 
 

@@ -30,6 +30,7 @@ it is no view of another tensor).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -45,6 +46,20 @@ _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 _ATTR = "_headroom_trace_id"
 
 MIXED = -3  # the tag after a foreach operator, which reads every block's tensors at once
+
+# Inside host_memory(): storages made are host memory (headroom.offload_activations' copies), not the
+# device's: the trace does not record them, as the counting allocator counts them apart.
+_HOST_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def host_memory():
+    """What is allocated inside is host memory, left out of the device's trace."""
+    _HOST_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_DEPTH[0] -= 1
 
 # An event: (storage id, bytes, allocated, phase index, block tag).
 Event = Tuple[int, int, bool, int, int]
@@ -256,6 +271,9 @@ class StorageTrace(TorchDispatchMode):
         inputs = None
         name = str(func).replace("aten.", "").replace(".default", "")
         for k, t, st in fresh:
+            if _HOST_DEPTH[0] > 0:
+                setattr(st, _ATTR, 0)  # host memory: not the device's
+                continue
             if inputs is None:
                 inputs = [a.untyped_storage() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
             if any(st is s for s in inputs):

@@ -93,3 +93,45 @@ def test_offload_activations_keeps_gradients_and_moves_saved_tensors_to_the_host
     assert plain_host == 0
     assert moved_host > 0
     assert moved_peak < plain_peak
+
+
+class _Blocks(torch.nn.Module):
+    """A user's own module: residual MLP blocks, a 32,000-token head; each lever switchable."""
+
+    def __init__(self, chunked=False, offload=False):
+        super().__init__()
+        self.chunked, self.offload = chunked, offload
+        self.emb = torch.nn.Embedding(32000, 256)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)) for _ in range(3))
+        self.head = torch.nn.Linear(256, 32000, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            if self.offload:
+                with headroom.offload_activations():
+                    h = h + block(h)
+            else:
+                h = h + block(h)
+        if self.chunked:
+            return headroom.chunked_cross_entropy(h[:, :-1], self.head.weight, ids[:, 1:], chunk=64)
+        return torch.nn.functional.cross_entropy(self.head(h[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("chunked,offload", [(False, False), (True, False), (False, True)])
+def test_the_any_model_estimate_predicts_both_levers(chunked, offload):
+    """headroom.estimate of a module that uses either lever is its measured step's peak, and each
+    lever lowers it."""
+    ids = torch.randint(32000, (4, 257))
+    peaks = {}
+    for c, o in {(False, False), (chunked, offload)}:
+        torch.manual_seed(0)
+        model = _Blocks(c, o)
+        kwargs = dict(loss_fn=lambda out, batch: out, optimizer="sgd")
+        e = headroom.estimate(model, ids, **kwargs)["peak_bytes"]
+        m = headroom.measure(model, ids, **kwargs)["peak_bytes"]
+        assert e == pytest.approx(m, rel=1e-3), (c, o)
+        peaks[(c, o)] = m
+    if chunked or offload:
+        assert peaks[(chunked, offload)] < peaks[(False, False)]
