@@ -45,7 +45,7 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
         fmt::print("{}\n", dump_json(j));
       } else {
         fmt::print(
-            "{} ({}, {:.3f}B params{}), batch {} x accum {}{} x seq {}, {}, {}, checkpointing {}, attention {}, "
+            "{} ({}, {:.3f}B params{}), batch {} x accum {}{} x seq {}, {}, {}, checkpointing {}, attention {}{}{}, "
             "on {}{}\n\n{}",
             model.name, family_name(model.family), static_cast<double>(e.params) / 1e9,
             spec.finetune.full() ? std::string()
@@ -53,6 +53,8 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
             spec.batch, spec.accum,
             spec.world > 1 ? fmt::format(" x {} ranks", spec.world) : "", spec.seq, precision_name(spec.precision),
             optimizer_name(spec.optimizer), spec.checkpointing.name(), attention_path_name(spec.attention),
+            spec.loss.chunked ? ", loss " + spec.loss.name() : "",
+            spec.offload == Offload::none ? "" : fmt::format(", offload {}", offload_name(spec.offload)),
             spec.cuda ? "cuda" : "cpu",
             spec.world > 1 ? fmt::format("; per rank (rank 0), --shard {}", shard_level_name(spec.shard)) : "",
             e.table());

@@ -190,9 +190,11 @@ const std::vector<RunField>& run_fields() {
              "backward); embeddings, norms and the head stay dense",
              &RunConfig::base_weights, &parse_base_weights, &base_weights_name),
       choice("offload",
-             "none (default) or optimizer: the optimizer's state and its update in host memory (torchao's "
-             "CPUOffloadOptimizer): each step copies the gradients to the host, updates there and copies the "
-             "parameters back; on cpu the host pool is counted apart from the --memory-budget device",
+             "none (default), optimizer, activations or optimizer,activations. optimizer: the optimizer's state and "
+             "its update in host memory (torchao's CPUOffloadOptimizer): each step copies the gradients to the host, "
+             "updates there and copies the parameters back. activations: what each layer saves for backward goes to "
+             "host memory as it is saved and comes back when backward needs it (with checkpointing: only the "
+             "layers' inputs). On cpu the host pool is counted apart from the --memory-budget device",
              &RunConfig::offload, &parse_offload, &offload_name),
       choice("loss",
              "full (default: the whole [tokens x vocab] logits, in float32 for the loss) or chunked[:TOKENS] (the "

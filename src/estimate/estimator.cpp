@@ -99,7 +99,7 @@ std::string Estimate::table() const {
     out += fmt::format("{:<26} {:>11} {:>6}  {}\n", i.name, format_bytes(i.bytes), "host", i.formula);
   }
   if (host_bytes > 0) {
-    out += fmt::format("{:<26} {:>11} {:>6}  not on the device: the offloaded optimizer's, at their own peak\n",
+    out += fmt::format("{:<26} {:>11} {:>6}  not on the device: what --offload keeps in host memory, at its own peak\n",
                        "host memory", format_bytes(host_bytes), "host");
   }
   if (experts) {

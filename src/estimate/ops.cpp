@@ -522,17 +522,16 @@ Tensor Ops::chunked_loss(const Tensor& hidden, const Param& head, int64_t tokens
   Ref wc = ce != we ? mem_.allocate(vocab * h * ce, copies_) : nullptr;
   Ref lse = mem_.allocate(tokens * 4, loss_label);
   Ref total = mem_.allocate(4, loss_label);
+  // A chunk's float32 logits: the matmul's output in the compute dtype, then its upcast (none in float32).
+  auto chunk_logits = [this, vocab, ce, logits_lbl](int64_t n) {
+    Ref logits = mem_.allocate(n * vocab * ce, logits_lbl);
+    return ce == 4 ? logits : mem_.allocate(n * vocab * 4, logits_lbl);
+  };
   for (int64_t s = 0; s < tokens; s += chunk) {
     const int64_t n = std::min(chunk, tokens - s);
-    Ref logits = mem_.allocate(n * vocab * ce, logits_lbl);
-    Ref lf = logits;
-    if (ce != 4) {
-      lf = mem_.allocate(n * vocab * 4, logits_lbl);
-      logits.reset();
-    }
+    Ref lf = chunk_logits(n);
     Ref picked = mem_.allocate(n * 4, tmp_), top = mem_.allocate(n * 4, tmp_), sum = mem_.allocate(n * 4, tmp_);
     lf.reset();
-    logits.reset();
     Ref diff = mem_.allocate(n * 4, tmp_);
     Ref part = mem_.allocate(4, tmp_);
   }
@@ -542,19 +541,14 @@ Tensor Ops::chunked_loss(const Tensor& hidden, const Param& head, int64_t tokens
   total.reset();
   g_->record({&loss}, {hc, targets, lse},
              [this, hidden = meta(hidden), head = meta(head.t), tokens, chunk, h, vocab, he, we, ce, logits_lbl,
-              copy_lbl](const std::vector<Ref>&) {
+              chunk_logits](const std::vector<Ref>&) {
                Ref wc = ce != we ? mem_.allocate(vocab * h * ce, copies_) : nullptr;
                Ref grad_h = mem_.allocate(tokens * h * ce, tmp_);
                Ref grad_w = head.slot ? mem_.allocate(vocab * h * 4, tmp_) : nullptr;
                Ref scale = mem_.allocate(4, tmp_);
                for (int64_t s = 0; s < tokens; s += chunk) {
                  const int64_t n = std::min(chunk, tokens - s);
-                 Ref logits = mem_.allocate(n * vocab * ce, logits_lbl);
-                 Ref lf = logits;
-                 if (ce != 4) {
-                   lf = mem_.allocate(n * vocab * 4, logits_lbl);
-                   logits.reset();
-                 }
+                 Ref lf = chunk_logits(n);
                  Ref picked = mem_.allocate(n * 4, tmp_);
                  picked.reset();
                  if (ce != 4) {

@@ -87,7 +87,7 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
                 {2, 32, 1, "bf16", "flash", "adamw8bit", "selective", "freeze:embed_tokens.weight"},
                 {2, 32, 1, "bf16", "flash", "adamw8bit", "none", "lora:r=8,targets=q,k,v,o", "optimizer"},
                 {2, 32, 1, "bf16", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down", "none", "nf4"},
-                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "full", "none", "dense", "chunked:24"},
+                {1, 16, 1, "bf16-mixed", "flash", "adamw", "none", "full", "none", "dense", "chunked:6"},
                 {2, 32, 1, "fp32", "flash", "sgd", "none", "full", "activations"},
                 {2, 32, 1, "fp32", "flash", "sgd", "full", "full", "activations", "dense", "chunked"}};
   } else if (family.label == "qwen3_moe") {
