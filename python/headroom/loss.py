@@ -22,7 +22,8 @@ __all__ = ["chunked_cross_entropy", "default_chunk"]
 
 def default_chunk(tokens: int, vocab: int, hidden: int) -> int:
     """Tokens per chunk: tokens / ceil(vocab / hidden) to the nearest power of two, within
-    [1, tokens] (a chunk's logits about the size of the hidden states), as ``--loss chunked``."""
+    [256, tokens] (a chunk's logits about the size of the hidden states, but no chunk so small that
+    streaming the head for it dominates), as ``--loss chunked``."""
     tokens = max(tokens, 1)
     ratio = -(-max(vocab, 1) // max(hidden, 1))
     target = max(1, tokens // ratio)
@@ -31,7 +32,7 @@ def default_chunk(tokens: int, vocab: int, hidden: int) -> int:
         p *= 2
     if target - p > p * 2 - target:
         p *= 2
-    return min(p, tokens)
+    return min(max(p, 256), tokens)
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -37,7 +37,7 @@ int64_t chunk_tokens(const LossSetting& loss, int64_t tokens, int64_t vocab, int
   int64_t p = 1;
   while (p * 2 <= target) p *= 2;
   if (target - p > p * 2 - target) p *= 2;  // the nearer power of two
-  return std::min(p, tokens);
+  return std::min(std::max(p, kMinChunkTokens), tokens);
 }
 
 }  // namespace headroom

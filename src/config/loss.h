@@ -22,7 +22,11 @@ LossSetting parse_loss(const std::string& text);
 
 // The tokens per chunk a chunked loss uses over `tokens` rows of a `hidden`-wide head with `vocab`
 // outputs: the setting's own, else the power of two nearest tokens / ceil(vocab / hidden) (a chunk's
-// logits about the size of the hidden states it comes from), at least 1 and at most `tokens`.
+// logits about the size of the hidden states it comes from), at least kMinChunkTokens (each chunk's
+// matmul streams the whole head: 8-token chunks kept a 1,024-token Qwen3 run on the cpu in the
+// head's matmuls for over 18 minutes)
+// and at most `tokens`.
+inline constexpr int64_t kMinChunkTokens = 256;
 int64_t chunk_tokens(const LossSetting& loss, int64_t tokens, int64_t vocab, int64_t hidden);
 
 }  // namespace headroom

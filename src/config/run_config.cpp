@@ -200,7 +200,7 @@ const std::vector<RunField>& run_fields() {
              "full (default: the whole [tokens x vocab] logits, in float32 for the loss) or chunked[:TOKENS] (the "
              "LM head and the cross-entropy a chunk of tokens at a time, Liger's and Cut Cross-Entropy's lever; "
              "backward recomputes each chunk's logits; TOKENS defaults to tokens / ceil(vocab / hidden), to a power "
-             "of two)",
+             "of two, at least 256)",
              &RunConfig::loss, &parse_loss, [](const LossSetting& l) { return l.name(); }),
       choice("moe-routing",
              "estimate, plan, fit, doctor on a mixture of experts: the routing to assume: balanced (default), worst "

@@ -99,11 +99,11 @@ TEST(ChunkedLossBf16, WithinOneRoundingOfTheFullGradients) {
                       6, 1e-2});
 }
 
-// The default chunk: tokens / ceil(vocab / hidden), to the nearest power of two, within [1, tokens].
+// The default chunk: tokens / ceil(vocab / hidden), to the nearest power of two, within [256, tokens].
 TEST(ChunkedLoss, DefaultChunkFollowsVocabularyOverWidth) {
-  EXPECT_EQ(chunk_tokens(LossSetting{true, 0}, 8192, 151936, 1024), 64);   // 8192 / 149 = 54.98 -> 64
-  EXPECT_EQ(chunk_tokens(LossSetting{true, 0}, 4096, 262144, 1152), 16);   // 4096 / 228 = 17.96 -> 16
-  EXPECT_EQ(chunk_tokens(LossSetting{true, 0}, 10, 151936, 1024), 1);
+  EXPECT_EQ(chunk_tokens(LossSetting{true, 0}, 8192, 151936, 1024), 256);     // 8192 / 149 = 54.98 -> 64 -> 256
+  EXPECT_EQ(chunk_tokens(LossSetting{true, 0}, 1 << 17, 262144, 1152), 512);  // 131072 / 228 = 574.9 -> 512
+  EXPECT_EQ(chunk_tokens(LossSetting{true, 0}, 10, 151936, 1024), 10);
   EXPECT_EQ(chunk_tokens(LossSetting{true, 0}, 100, 64, 128), 100);  // nearest power 128, capped at the tokens
   EXPECT_EQ(chunk_tokens(LossSetting{true, 500}, 256, 151936, 1024), 256);
   EXPECT_EQ(parse_loss("chunked:1024").chunk, 1024);
