@@ -1,0 +1,62 @@
+"""The Python tests' bf16 and fp16 matrix products on the cpu, through float32 (imported by conftest).
+
+A cpu without AVX-512 has no oneDNN path for a bf16 or fp16 matmul, and LibTorch's fallback loop is
+slow where the product is untransposed: a linear's input gradient, grad @ weight (Qwen3's head at 64
+tokens, 64 x 151,936 x 1,024: 97 s against 0.37 s in float32, measured on an AMD EPYC). The C++ test
+programs link src/testing/reduced_precision_matmul.cpp for this; these are the same registrations
+for the pytest processes: aten::mm and aten::addmm on the cpu compute a bf16/fp16 product of 2-D
+operands BLAS reads in place in float32, in numpy memory that no c10 allocator (so not the counting
+allocator) sees, rounded once into a result allocated as LibTorch's kernel allocates it. Everything
+else goes to LibTorch's own out= kernels, into the same one result tensor.
+"""
+import numpy as np
+import torch
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    if t.dim() != 2 or t.numel() == 0:
+        return False
+    rows, cols = t.stride()
+    return (cols == 1 and rows >= max(1, t.size(1))) or (rows == 1 and cols >= max(1, t.size(0)))
+
+
+def _through_float(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype in _REDUCED and b.dtype == a.dtype and _in_place(a) and _in_place(b)
+            and not a.is_conj() and not b.is_conj())
+
+
+def _float(shape) -> torch.Tensor:
+    return torch.from_numpy(np.empty(tuple(shape), dtype=np.float32))
+
+
+def _float_copy(t: torch.Tensor) -> torch.Tensor:
+    return _float(t.shape).copy_(t)
+
+
+def _result(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.empty((a.size(0), b.size(1)), dtype=a.dtype, device=a.device)
+
+
+def _mm(a, b):
+    out = _result(a, b)
+    if not _through_float(a, b):
+        return torch.ops.aten.mm.out(a, b, out=out)
+    out32 = _float(out.shape)
+    torch.ops.aten.mm.out(_float_copy(a), _float_copy(b), out=out32)
+    return out.copy_(out32)
+
+
+def _addmm(self, a, b, *, beta=1, alpha=1):
+    out = _result(a, b)
+    if not _through_float(a, b) or self.dtype != a.dtype or self.dim() > 2:
+        return torch.ops.aten.addmm.out(self, a, b, beta=beta, alpha=alpha, out=out)
+    out32 = _float(out.shape).copy_(self.expand(out.shape))
+    out32.addmm_(_float_copy(a), _float_copy(b), beta=beta, alpha=alpha)
+    return out.copy_(out32)
+
+
+_LIBRARY = torch.library.Library("aten", "IMPL")
+_LIBRARY.impl("mm", _mm, "CPU")
+_LIBRARY.impl("addmm", _addmm, "CPU")

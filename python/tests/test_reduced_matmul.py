@@ -1,0 +1,35 @@
+"""The tests' bf16/fp16 cpu matmul (reduced_matmul.py) must not change what they measure: the same
+bytes from the counting allocator as LibTorch's kernel (its out= form, which the registrations leave
+alone), and the float32 product rounded once."""
+import headroom
+import pytest
+import torch
+
+
+def peak_of(fn):
+    start = headroom._core.cpu_live_bytes()
+    headroom._core.reset_cpu_peak()
+    out = fn()
+    peak = headroom._core.cpu_peak_bytes() - start
+    del out
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_allocates_what_libtorchs_kernel_does_and_rounds_once(dtype, transposed):
+    g = torch.randn(24, 320, dtype=dtype)
+    w = torch.randn(320, 48, dtype=dtype)
+    if transposed:
+        w = w.t().contiguous().t()
+    bias = torch.randn(48, dtype=dtype)
+    exact = (g.float() @ w.float().contiguous()).to(dtype)
+    assert torch.equal(g @ w, exact)
+    exact_addmm = torch.addmm(bias.float(), g.float(), w.float().contiguous(), beta=0.5, alpha=2).to(dtype)
+    assert torch.equal(torch.addmm(bias, g, w, beta=0.5, alpha=2), exact_addmm)
+
+    def libtorch():
+        out = torch.empty(24, 48, dtype=dtype)
+        return torch.ops.aten.mm.out(g, w, out=out)
+    assert peak_of(lambda: g @ w) == peak_of(libtorch) > 0
+    assert torch.allclose(libtorch().float(), exact.float(), rtol=2e-2, atol=0.5)

@@ -1,0 +1,52 @@
+// The test programs' bf16/fp16 cpu matmul (reduced_precision_matmul.cpp) must not change what the
+// suite measures: the same bytes from the allocator as LibTorch's own kernel, and its products
+// rounded once from float32.
+#include <ATen/ATen.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "memory/budget_allocator.h"
+
+namespace headroom {
+namespace {
+
+// The allocator's peak above what was live, while f runs and its result is held.
+int64_t peak_of(const std::function<at::Tensor()>& f) {
+  BudgetAllocator& a = BudgetAllocator::install();
+  const int64_t before = a.live_bytes();
+  a.reset_peak();
+  const at::Tensor out = f();
+  return a.peak_bytes() - before;
+}
+
+TEST(ReducedPrecisionMatmul, AllocatesWhatLibTorchsKernelDoesAndRoundsOnce) {
+  at::manual_seed(3);
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    const auto options = at::TensorOptions().dtype(dtype);
+    const at::Tensor g = at::randn({24, 320}, options), w = at::randn({320, 48}, options);
+    const at::Tensor bias = at::randn({48}, options);
+    // A linear's input gradient (untransposed), its forward (the weight transposed) and with a bias.
+    for (const at::Tensor& b : {w, w.t().contiguous().t()}) {
+      const at::Tensor exact = at::mm(g.to(at::kFloat), b.to(at::kFloat).contiguous()).to(dtype);
+      EXPECT_TRUE(at::equal(at::mm(g, b), exact)) << dtype;
+      EXPECT_EQ(peak_of([&] { return at::mm(g, b); }), peak_of([&] { return at::cpu::mm(g, b); })) << dtype;
+      at::Tensor out = at::empty({24, 48}, options);
+      at::mm_out(out, g, b);
+      EXPECT_TRUE(at::equal(out, exact)) << dtype;
+
+      const at::Tensor exact_addmm =
+          at::addmm(bias.to(at::kFloat), g.to(at::kFloat), b.to(at::kFloat).contiguous(), 0.5, 2).to(dtype);
+      EXPECT_TRUE(at::equal(at::addmm(bias, g, b, 0.5, 2), exact_addmm)) << dtype;
+      EXPECT_EQ(peak_of([&] { return at::addmm(bias, g, b); }), peak_of([&] { return at::cpu::addmm(bias, g, b); }))
+          << dtype;
+      // LibTorch's kernel agrees to its own rounding.
+      EXPECT_TRUE(at::allclose(at::cpu::mm(g, b).to(at::kFloat), exact.to(at::kFloat), 2e-2, 0.5)) << dtype;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace headroom
