@@ -56,15 +56,19 @@ at::Tensor float_copy(std::vector<float>& memory, const at::Tensor& t) {
   return f;
 }
 
-at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
-  if (!through_float(a, b)) return at::cpu::mm(a, b);
+// a @ b in float32, rounded once into out ([a rows, b columns], a's dtype).
+at::Tensor& float_product(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   std::vector<float> a_memory, b_memory, out_memory;
   const at::Tensor a32 = float_copy(a_memory, a), b32 = float_copy(b_memory, b);
-  at::Tensor out32 = float_scratch(out_memory, {a.size(0), b.size(1)});
+  at::Tensor out32 = float_scratch(out_memory, out.sizes());
   at::mm_out(out32, a32, b32);
+  return out.copy_(out32);
+}
+
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+  if (!through_float(a, b)) return at::cpu::mm(a, b);
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
-  out.copy_(out32);
-  return out;
+  return float_product(a, b, out);
 }
 
 at::Tensor& mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
@@ -72,12 +76,7 @@ at::Tensor& mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
       out.size(1) != b.size(1)) {
     return at::cpu::mm_outf(a, b, out);
   }
-  std::vector<float> a_memory, b_memory, out_memory;
-  const at::Tensor a32 = float_copy(a_memory, a), b32 = float_copy(b_memory, b);
-  at::Tensor out32 = float_scratch(out_memory, {a.size(0), b.size(1)});
-  at::mm_out(out32, a32, b32);
-  out.copy_(out32);
-  return out;
+  return float_product(a, b, out);
 }
 
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b, const at::Scalar& beta,
