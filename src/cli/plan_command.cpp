@@ -46,13 +46,18 @@ std::string emitted(const RunConfig& cfg, const PlanOptions& o, const Plan& best
 // The planner with the cost model calibrated on this machine (unless --no-calibrate).
 PlanResult plan(const RunConfig& cfg, const PlanOptions& o, const PlanRequest& request) {
   CostModel::StepTimer timer;
+  CostModel::LinkTimer link;
   if (o.calibrate) {
     install_interrupt_handlers();  // the timed steps stop at a Ctrl-C
     timer = [&cfg](Precision p, int64_t rows, int timed) { return time_train_step(cfg, p, rows, timed); };
+    link = [&cfg] { return host_link_bytes_per_second(cfg.device); };
   }
-  return plan_with_calibration(request, timer, {}, [&cfg](const std::string& line) {
-    if (!cfg.quiet) fmt::print(stderr, "{}...\n", line);
-  });
+  return plan_with_calibration(
+      request, timer, {},
+      [&cfg](const std::string& line) {
+        if (!cfg.quiet) fmt::print(stderr, "{}...\n", line);
+      },
+      link);
 }
 
 PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::string& command) {
@@ -160,17 +165,30 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
                    format_bytes(r.budget), 100 * r.margin);
         const bool ranks = world_size_of(cfg) > 1;
         const bool offloads = r.allow_offload || r.base.offload != Offload::none;
-        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{}{:>11} {:>10}\n", "micro", "accum", "precision",
-                   "checkpoint", "attn", "optimizer", offloads ? fmt::format("{:<10} ", "offload") : "",
-                   ranks ? fmt::format("{:<10} ", "shard") : "", ranks ? "peak/rank" : "peak", "step time");
         const size_t n = std::min<size_t>(result.plans.size(), static_cast<size_t>(o->top));
+        size_t offload_width = 7, loss_width = 4;
+        for (size_t i = 0; i < n; ++i) {
+          offload_width = std::max(offload_width, std::string(offload_name(result.plans[i].offload)).size());
+          loss_width = std::max(loss_width, result.plans[i].loss.name().size());
+        }
+        auto offload_cell = [&](const std::string& text) {
+          return offloads ? fmt::format("{:<{}} ", text, offload_width) : std::string();
+        };
+        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{:>11} {:>10}\n", "micro", "accum", "precision",
+                   "checkpoint", "attn", "optimizer", "loss", loss_width, offload_cell("offload"),
+                   ranks ? fmt::format("{:<10} ", "shard") : "", ranks ? "peak/rank" : "peak", "step time");
         for (size_t i = 0; i < n; ++i) {
           const Plan& p = result.plans[i];
-          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {}{}{:>11} {:>9.2f}x\n", p.batch, p.accum,
+          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{:>11} {:>9.2f}x\n", p.batch, p.accum,
                      precision_name(p.precision), p.checkpointing.name(), attention_path_name(p.attention),
-                     optimizer_name(p.optimizer), offloads ? fmt::format("{:<10} ", offload_name(p.offload)) : "",
+                     optimizer_name(p.optimizer), p.loss.name(), loss_width, offload_cell(offload_name(p.offload)),
                      ranks ? fmt::format("{:<10} ", shard_level_name(p.shard)) : "",
                      format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
+        }
+        if (offloads) {
+          fmt::print("\nOffloaded bytes costed at {:.1f} GB/s each way to host memory ({}).\n",
+                     result.host_link_bytes_per_second / 1e9,
+                     result.host_link_measured ? "measured on this machine" : "assumed: not calibrated");
         }
         if (!o->emit.empty()) {
           fmt::print("\nThe fastest plan, {}:\n\n{}",

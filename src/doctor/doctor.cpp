@@ -402,7 +402,8 @@ class Diagnosis {
     timing.memory_budget.reset();
     const PlanResult plans = plan_with_calibration(
         request_, [&timing](Precision p, int64_t rows, int timed) { return time_train_step(timing, p, rows, timed); },
-        precision_ratio_, [&](const std::string& line) { say("4/5 " + line); });
+        precision_ratio_, [&](const std::string& line) { say("4/5 " + line); },
+        [&timing] { return host_link_bytes_per_second(timing.device); });
     pending_steps_ = 2;
     if (plans.plans.empty() && !r_.oom) {
       // It fits as given, closer to the budget than the planner's margin lets a plan be: the

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 #include "config/model_config.h"
@@ -109,7 +110,7 @@ double CostModel::state_lever_seconds(int64_t trainable_params, Precision precis
   double seconds = optimizer == OptimizerKind::adamw8bit ? n * kQuantisedUpdateSeconds : 0.0;
   if (offloads_optimizer(offload)) {
     const double bytes = n * (precision == Precision::bf16 ? 2.0 : 4.0);
-    seconds += 2 * bytes / kHostLinkBytesPerSecond + n * kHostUpdateSeconds;
+    seconds += 2 * bytes / host_link_ + n * kHostUpdateSeconds;
   }
   return seconds;
 }
@@ -164,8 +165,14 @@ double CostModel::step_seconds(const ModelConfig& model, int64_t micro, int64_t 
   return seconds;
 }
 
-double CostModel::activation_offload_seconds(int64_t bytes, int64_t micro_batches) {
-  return 2 * static_cast<double>(bytes) * static_cast<double>(micro_batches) / kHostLinkBytesPerSecond;
+double CostModel::activation_offload_seconds(int64_t bytes, int64_t micro_batches) const {
+  return 2 * static_cast<double>(bytes) * static_cast<double>(micro_batches) / host_link_;
+}
+
+void CostModel::set_host_link(double bytes_per_second) {
+  if (!(bytes_per_second > 0)) throw std::invalid_argument("a host link's speed must be positive");
+  host_link_ = bytes_per_second;
+  host_link_measured_ = true;
 }
 
 }  // namespace headroom

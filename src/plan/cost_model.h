@@ -38,6 +38,9 @@ class CostModel {
   // Seconds of a real step at a micro-batch in a precision, timed over some steps; nullopt when the
   // step ran out of memory (train/step_timing.h provides one).
   using StepTimer = std::function<std::optional<double>(Precision precision, int64_t rows, int timed_steps)>;
+  // Bytes per second each way between the device and (pinned) host memory, measured on this
+  // machine (train/step_timing.h provides one); nullopt when it could not be.
+  using LinkTimer = std::function<std::optional<double>()>;
   // Times `base`'s model: in base's precision (or the first asked for) at micro-batches 1 and
   // `larger`, which splits fixed from per-FLOP cost; each other precision at `larger` only, scaling
   // both. nullopt when a timing step ran out of memory.
@@ -53,8 +56,13 @@ class CostModel {
   double step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq, Precision precision,
                       const CheckpointPolicy& checkpointing, AttentionPath attention, bool chunked_loss = false) const;
   // What offloading `bytes` of saved activations per micro-batch adds: down in forward and back in
-  // backward over kHostLinkBytesPerSecond (assumed, not measured), for each of `micro_batches`.
-  static double activation_offload_seconds(int64_t bytes, int64_t micro_batches);
+  // backward over the host link, for each of `micro_batches`.
+  double activation_offload_seconds(int64_t bytes, int64_t micro_batches) const;
+  // The host link both offloads cross: measured (set_host_link) or, until then, assumed
+  // (kHostLinkBytesPerSecond, a pinned PCIe 4 link's order).
+  void set_host_link(double bytes_per_second);
+  double host_link() const { return host_link_; }
+  bool host_link_measured() const { return host_link_measured_; }
   // Seconds of one step's collectives on each of `world` ranks at `shard` with `accum` micro-batches:
   // the ring algorithms' bytes per rank — allreduce 2(N-1)/N of the gradients (none); reduce-scatter
   // (N-1)/N of them (once, or per micro-batch at gradients) and allgather (N-1)/N of the weights
@@ -67,7 +75,7 @@ class CostModel {
   // What the state levers add to a step, over the update of the optimizer they replace (not
   // measured; assumed constants): adamw8bit's blockwise loop, kQuantisedUpdateSeconds per trained
   // parameter; an offloaded optimizer, its gradients copied to the host and its parameters back over
-  // kHostLinkBytesPerSecond (pinned PCIe), and its update on the host's cores at
+  // the host link, and its update on the host's cores at
   // kHostUpdateSeconds per parameter. 0 for neither.
   double state_lever_seconds(int64_t trainable_params, Precision precision, OptimizerKind optimizer,
                              Offload offload) const;
@@ -80,6 +88,8 @@ class CostModel {
 
  private:
   std::map<Precision, StepTimeFit> fits_;
+  double host_link_ = kHostLinkBytesPerSecond;
+  bool host_link_measured_ = false;
 };
 
 }  // namespace headroom

@@ -42,7 +42,9 @@ std::string Plan::describe() const {
 nlohmann::json PlanResult::to_json() const {
   nlohmann::json list = nlohmann::json::array();
   for (const Plan& p : plans) list.push_back(p.to_json());
-  return {{"plans", list}, {"considered", considered}};
+  return {{"plans", list},
+          {"considered", considered},
+          {"host_link", {{"bytes_per_second", host_link_bytes_per_second}, {"measured", host_link_measured}}}};
 }
 
 namespace {
@@ -138,7 +140,7 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
   for (Plan& p : plans.plans) {
     p.predicted_step_seconds = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
                                                  p.checkpointing, p.attention, p.loss.chunked) +
-                               CostModel::activation_offload_seconds(p.offloaded_activation_bytes, p.accum) +
+                               cost.activation_offload_seconds(p.offloaded_activation_bytes, p.accum) +
                                cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) +
                                cost.state_lever_seconds(p.trainable_params, p.precision, p.optimizer, p.offload);
   }
@@ -159,7 +161,8 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
 
 PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTimer& timer,
                                  const std::map<Precision, double>& known_ratios,
-                                 const std::function<void(const std::string&)>& progress) {
+                                 const std::function<void(const std::string&)>& progress,
+                                 const CostModel::LinkTimer& link) {
   PlanResult result = fitting_plans(r);
   if (result.plans.empty()) return result;
   CostModel cost = CostModel::flops_only();
@@ -182,6 +185,14 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
       progress("calibration ran out of memory; ranking by FLOPs alone");
     }
   }
+  const bool offloading =
+      std::any_of(result.plans.begin(), result.plans.end(), [](const Plan& p) { return p.offload != Offload::none; });
+  if (link && offloading) {
+    if (progress) progress("measuring the host link the offloaded bytes cross (64 MiB copies each way)");
+    if (const std::optional<double> bytes_per_second = link()) cost.set_host_link(*bytes_per_second);
+  }
+  result.host_link_bytes_per_second = cost.host_link();
+  result.host_link_measured = cost.host_link_measured();
   rank_plans(result, r, cost);
   return result;
 }

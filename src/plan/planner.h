@@ -50,7 +50,11 @@ struct PlanResult {
   int64_t considered = 0;
   int64_t smallest_peak = 0;  // over every candidate, fitting or not
   std::string smallest_peak_plan;
-  nlohmann::json to_json() const;  // {"plans": [...], "considered"}
+  // The host link the offloading plans' copies were costed at (bytes per second each way) and
+  // whether it was measured on this machine (or assumed: no calibration, or no plan offloads).
+  double host_link_bytes_per_second = CostModel::kHostLinkBytesPerSecond;
+  bool host_link_measured = false;
+  nlohmann::json to_json() const;  // {"plans": [...], "considered", "host_link": {...}}
 };
 
 // Stage 1: every candidate the estimator says fits (unranked; step times not yet set).
@@ -64,11 +68,13 @@ void rank_plans(PlanResult& plans, const PlanRequest& request, const CostModel& 
 // Both stages, with the cost model calibrated by timing real steps with `timer` for the precisions
 // that fit (null: ranked by FLOPs alone). `known_ratios` are step-time ratios to the base
 // precision already measured (the doctor's lever trials): those precisions are not timed again.
-// A timing step that runs out of memory leaves the ranking to FLOPs alone. `progress` (may be null)
+// A timing step that runs out of memory leaves the ranking to FLOPs alone. Where a plan that fits
+// offloads, `link` (may be null) measures the host link its copies cross. `progress` (may be null)
 // hears what is being timed.
 PlanResult plan_with_calibration(const PlanRequest& request, const CostModel::StepTimer& timer,
                                  const std::map<Precision, double>& known_ratios = {},
-                                 const std::function<void(const std::string&)>& progress = nullptr);
+                                 const std::function<void(const std::string&)>& progress = nullptr,
+                                 const CostModel::LinkTimer& link = nullptr);
 
 // `config` set to run `plan`, and the plan `config` runs (its peak and time not predicted).
 RunConfig with_plan(RunConfig config, const Plan& plan);

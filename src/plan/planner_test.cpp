@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
 
 #include "estimate/estimator.h"
 #include "memory/oom_report.h"
@@ -198,6 +200,53 @@ TEST(CostModel, CountsRecomputeAndTheFixedCostOfEachMicroBatch) {
   // The same work in 8 micro-batches costs at least as much as in one.
   EXPECT_GE(cost.step_seconds(m, 1, 8, 64, Precision::fp32, none, AttentionPath::flash),
             cost.step_seconds(m, 8, 8, 64, Precision::fp32, none, AttentionPath::flash));
+}
+
+// The offloads' copies cross the host link: assumed until measured, and measured (once) only when a
+// plan that fits offloads. Seconds by hand: both ways, for each micro-batch.
+TEST(CostModel, OffloadsAreCostedOverTheHostLinkMeasuredWhenAPlanOffloads) {
+  CostModel cost = CostModel::flops_only();
+  EXPECT_FALSE(cost.host_link_measured());
+  EXPECT_DOUBLE_EQ(cost.activation_offload_seconds(1'000'000'000, 3), 2.0 * 1e9 * 3 / 2e10);
+  cost.set_host_link(1e9);
+  EXPECT_TRUE(cost.host_link_measured());
+  EXPECT_DOUBLE_EQ(cost.activation_offload_seconds(1'000'000'000, 3), 6.0);
+  // An offloaded AdamW over a million float32 parameters: 4 MB of gradients down and 4 MB of
+  // weights up, and 2 ns a value on the host.
+  EXPECT_NEAR(cost.state_lever_seconds(1'000'000, Precision::fp32, OptimizerKind::adamw, Offload::optimizer),
+              0.008 + 0.002, 1e-12);
+  EXPECT_THROW(cost.set_host_link(0), std::invalid_argument);
+
+  PlanRequest r;
+  r.base.model = "gpt2";
+  r.base.overrides = {"n_layer=2"};
+  r.base.seq = 32;
+  r.base.device = "cpu";
+  r.global_batch = 4;
+  r.margin = 0;
+  r.budget = int64_t{1} << 40;
+  int calls = 0;
+  const CostModel::LinkTimer link = [&calls]() -> std::optional<double> {
+    ++calls;
+    return 5e9;
+  };
+  const PlanResult roomy = plan_with_calibration(r, nullptr, {}, nullptr, link);
+  EXPECT_EQ(calls, 0) << "no plan offloads";
+  EXPECT_FALSE(roomy.host_link_measured);
+  EXPECT_EQ(roomy.to_json()["host_link"]["bytes_per_second"].get<double>(), CostModel::kHostLinkBytesPerSecond);
+  r.budget = fitting_plans(r).smallest_peak - 1;
+  r.allow_offload = true;
+  const PlanResult tight = plan_with_calibration(r, nullptr, {}, nullptr, link);
+  ASSERT_FALSE(tight.plans.empty());
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(tight.host_link_measured);
+  EXPECT_EQ(tight.to_json()["host_link"]["bytes_per_second"].get<double>(), 5e9);
+
+  // This machine's own: some positive speed (what it is depends on the machine).
+  const std::optional<double> measured = host_link_bytes_per_second("cpu");
+  ASSERT_TRUE(measured.has_value());
+  EXPECT_GT(*measured, 0);
+  EXPECT_TRUE(std::isfinite(*measured));
 }
 
 }  // namespace

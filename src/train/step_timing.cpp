@@ -61,4 +61,36 @@ double precision_slowdown(Precision precision, const std::string& device_name) {
   return ratio;
 }
 
+std::optional<double> host_link_bytes_per_second(const std::string& device_name) {
+  static std::map<std::string, std::optional<double>> known;
+  static std::mutex mutex;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find(device_name); it != known.end()) return it->second;
+  const c10::Device device = resolve_device(device_name);
+  constexpr int64_t kBytes = int64_t{64} << 20;
+  std::optional<double> speed;
+  try {
+    const auto bytes = at::TensorOptions().dtype(at::kByte);
+    at::Tensor on_device = at::ones({kBytes}, bytes.device(device));
+    at::Tensor on_host = at::empty({kBytes}, bytes.pinned_memory(device.is_cuda()));
+    auto best_of = [&](at::Tensor& to, const at::Tensor& from) {
+      double best = 1e9;
+      for (int i = 0; i < 4; ++i) {  // the first warms up
+        if (device.is_cuda()) cuda_synchronize(device.index());
+        const auto t0 = std::chrono::steady_clock::now();
+        to.copy_(from);
+        if (device.is_cuda()) cuda_synchronize(device.index());
+        if (i > 0) best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      return best;
+    };
+    const double down = best_of(on_host, on_device), up = best_of(on_device, on_host);
+    speed = 2 * static_cast<double>(kBytes) / (down + up);
+  } catch (const c10::OutOfMemoryError&) {
+    speed = std::nullopt;
+  }
+  known[device_name] = speed;
+  return speed;
+}
+
 }  // namespace headroom

@@ -21,4 +21,10 @@ std::optional<double> time_train_step(const RunConfig& base, Precision precision
 // arithmetic) before running it. Remembered per process.
 double precision_slowdown(Precision precision, const std::string& device);
 
+// Bytes per second each way between `device` and host memory, as the offload levers copy: 64 MiB
+// to the host and back, the best of three each (on cuda, pinned host memory, each copy waited for;
+// on the cpu, one buffer into another, as the host pool's copies are). nullopt when the buffers do
+// not fit. Remembered per process.
+std::optional<double> host_link_bytes_per_second(const std::string& device);
+
 }  // namespace headroom
