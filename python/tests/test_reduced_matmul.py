@@ -15,6 +15,11 @@ def peak_of(fn):
     return peak
 
 
+def test_the_registrations_are_the_cpu_kernels_the_dispatcher_calls():
+    for op in ("aten::mm", "aten::addmm"):
+        assert "reduced_matmul.py" in torch._C._dispatch_dump(op), op
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_allocates_what_libtorchs_kernel_does_and_rounds_once(dtype, transposed):

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -94,11 +95,21 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
   return out;
 }
 
+// Registered as the program starts, LibTorch's warning that a kernel is replaced (expected here)
+// kept out of every test's output.
+struct Registration {
+  torch::Library library{torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__};
+  Registration() {
+    struct Silent : c10::WarningHandler {
+      void process(const c10::Warning&) override {}
+    } silent;
+    const c10::WarningUtils::WarningHandlerGuard quiet(&silent);
+    library.impl("mm", TORCH_FN(mm));
+    library.impl("mm.out", TORCH_FN(mm_out));
+    library.impl("addmm", TORCH_FN(addmm));
+  }
+};
+const Registration registration;
+
 }  // namespace
 }  // namespace headroom::testing
-
-TORCH_LIBRARY_IMPL(aten, CPU, m) {
-  m.impl("mm", TORCH_FN(headroom::testing::mm));
-  m.impl("mm.out", TORCH_FN(headroom::testing::mm_out));
-  m.impl("addmm", TORCH_FN(headroom::testing::addmm));
-}

@@ -3,10 +3,13 @@
 // rounded once from float32.
 #include <ATen/ATen.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <string>
+#include <utility>
 
 #include "memory/budget_allocator.h"
 
@@ -23,6 +26,11 @@ int64_t peak_of(const std::function<at::Tensor()>& f) {
 }
 
 TEST(ReducedPrecisionMatmul, AllocatesWhatLibTorchsKernelDoesAndRoundsOnce) {
+  // The registrations are the cpu kernels the dispatcher calls.
+  for (const auto& [name, overload] : {std::pair{"aten::mm", ""}, {"aten::mm", "out"}, {"aten::addmm", ""}}) {
+    const std::string state = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).dumpState();
+    EXPECT_NE(state.find("reduced_precision_matmul.cpp"), std::string::npos) << name << "." << overload;
+  }
   at::manual_seed(3);
   for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
     const auto options = at::TensorOptions().dtype(dtype);
