@@ -188,7 +188,7 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         if (offloads) {
           fmt::print("\nOffloaded bytes costed at {:.1f} GB/s each way to host memory ({}).\n",
                      result.host_link_bytes_per_second / 1e9,
-                     result.host_link_measured ? "measured on this machine" : "assumed: not calibrated");
+                     result.host_link_measured ? "measured on this machine" : "assumed, not measured");
         }
         if (!o->emit.empty()) {
           fmt::print("\nThe fastest plan, {}:\n\n{}",
