@@ -112,8 +112,8 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "Rank the ways to train --global-batch sequences per step within the memory budget: micro-batch x\n"
       "accumulation, precision, checkpointing and attention (the optimizer, its 8-bit states and its offload\n"
       "to host memory only where --allow lists them), peak predicted by the estimator, step time by a cost\n"
-      "model calibrated\n"
-      "with a few timed steps on this machine. With --world-size N (data parallel under torchrun) the\n"
+      "model calibrated with a few timed steps on this machine (and, where a plan offloads, timed copies\n"
+      "to host memory and back). With --world-size N (data parallel under torchrun) the\n"
       "global batch is split over N ranks, peaks are per rank, and the shard level (none, optimizer,\n"
       "gradients, full) is a lever, its collectives costed at an assumed link speed; nothing is launched (the\n"
       "calibration times one process). Exit code 3 when nothing fits.");

@@ -57,12 +57,19 @@ at::Tensor float_copy(std::vector<float>& memory, const at::Tensor& t) {
   return f;
 }
 
-// a @ b in float32, rounded once into out ([a rows, b columns], a's dtype).
-at::Tensor& float_product(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+// a @ b in float32 (with `self`: beta · self + alpha · a @ b), rounded once into out ([a rows,
+// b columns], a's dtype).
+at::Tensor& float_product(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const at::Tensor* self = nullptr,
+                          const at::Scalar& beta = 1, const at::Scalar& alpha = 1) {
   std::vector<float> a_memory, b_memory, out_memory;
   const at::Tensor a32 = float_copy(a_memory, a), b32 = float_copy(b_memory, b);
   at::Tensor out32 = float_scratch(out_memory, out.sizes());
-  at::mm_out(out32, a32, b32);
+  if (self != nullptr) {
+    out32.copy_(self->expand(out.sizes()));
+    out32.addmm_(a32, b32, beta, alpha);
+  } else {
+    at::mm_out(out32, a32, b32);
+  }
   return out.copy_(out32);
 }
 
@@ -85,14 +92,8 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
   if (!through_float(a, b) || self.scalar_type() != a.scalar_type() || self.dim() > 2) {
     return at::cpu::addmm(self, a, b, beta, alpha);
   }
-  std::vector<float> a_memory, b_memory, out_memory;
-  const at::Tensor a32 = float_copy(a_memory, a), b32 = float_copy(b_memory, b);
-  at::Tensor out32 = float_scratch(out_memory, {a.size(0), b.size(1)});
-  out32.copy_(self.expand({a.size(0), b.size(1)}));
-  out32.addmm_(a32, b32, beta, alpha);
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
-  out.copy_(out32);
-  return out;
+  return float_product(a, b, out, &self, beta, alpha);
 }
 
 // Registered as the program starts, LibTorch's warning that a kernel is replaced (expected here)
