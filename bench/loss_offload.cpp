@@ -16,9 +16,10 @@
 // over the vocabulary is pathological (measured here: 51 s for [24 x 151,936] x [151,936 x 1,024]
 // in bf16 against 0.4 s in float32), for the full loss and the chunked one alike.
 //
-//   build/bench_loss_offload [layers] [seq] [precision]
+//   build/bench_loss_offload [layers] [seq] [precision] [model,...]
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -34,6 +35,16 @@ int main(int argc, char** argv) {
   const int layers = argc > 1 ? std::atoi(argv[1]) : 2;
   const int64_t seq = argc > 2 ? std::atoll(argv[2]) : 2048;
   const Precision precision = parse_precision(argc > 3 ? argv[3] : "fp32");
+  std::vector<std::string> models = {"qwen3-0.6b", "gemma-3-1b"};
+  if (argc > 4) {
+    models.clear();
+    std::string list = argv[4];
+    for (size_t at = 0; at <= list.size();) {
+      const size_t comma = std::min(list.find(',', at), list.size());
+      models.push_back(list.substr(at, comma - at));
+      at = comma + 1;
+    }
+  }
   struct Setting {
     const char* label;
     const char* loss;
@@ -47,8 +58,8 @@ int main(int argc, char** argv) {
       {"offload activations", "chunked", "none", "activations"},
       {"checkpointing + offload", "chunked", "full", "activations"},
   };
-  for (const char* model : {"qwen3-0.6b", "gemma-3-1b"}) {
-    std::printf("\n%s, %d layers, batch 1 x seq %lld, %s, sgd, cpu (rows after the first: chunked loss)\n", model,
+  for (const std::string& model : models) {
+    std::printf("\n%s, %d layers, batch 1 x seq %lld, %s, sgd, cpu (rows after the first: chunked loss)\n", model.c_str(),
                 layers, static_cast<long long>(seq), precision_name(precision));
     std::printf("%-26s %12s %9s %10s %12s %10s %9s\n", "setting", "peak", "estimate", "vs first", "host", "step s",
                 "vs first");

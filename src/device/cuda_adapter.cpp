@@ -1,6 +1,7 @@
 #include "device/cuda_adapter.h"
 
 #include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -193,5 +194,7 @@ void CudaCopyStream::before_compute() {
   check_cuda(cudaEventRecord(e, impl_->copies.stream()), "cudaEventRecord");
   check_cuda(cudaStreamWaitEvent(impl_->compute.stream(), e, 0), "cudaStreamWaitEvent");
 }
+
+void CudaCopyStream::hold(const at::Tensor& t) { t.record_stream(impl_->copies); }
 
 }  // namespace headroom

@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+namespace at {
+class Tensor;
+}  // namespace at
+
 namespace headroom {
 
 bool cuda_available();
@@ -74,8 +78,8 @@ struct CudaLiveBlock {
 std::vector<CudaLiveBlock> cuda_live_blocks(int device);
 
 // A stream for copies between pinned host memory and the device beside the compute stream (optimizer
-// offload, optim/offload.h): the copies queued on it run while the compute stream and the host go
-// on. On the current device; one user at a time.
+// offload, optim/offload.h; activation offload, model/activation_offload.h): the copies queued on
+// it run while the compute stream and the host go on. On the current device; one user at a time.
 class CudaCopyStream {
  public:
   CudaCopyStream();
@@ -91,6 +95,9 @@ class CudaCopyStream {
   void wait(int mark);
   // The compute stream's later work waits for every copy queued here.
   void before_compute();
+  // The caching allocator reuses `t`'s block, once it is freed, only after the copies queued here
+  // by then are done (a block the compute stream frees while a copy still reads or writes it).
+  void hold(const at::Tensor& t);
 
  private:
   struct Impl;

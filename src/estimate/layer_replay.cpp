@@ -353,7 +353,8 @@ Tensor LayerReplay::trunk(int64_t rows) {
   if (offloading) {
     offload.host_label = act("offloaded activations", "--offload activations: the storages each layer saves, in host memory");
     offload.restored = act("restored activations",
-                           "--offload activations: a node's saved tensors copied back to the device while it runs");
+                           "--offload activations: the saved storages of the layer backward is in, and of the "
+                           "one below it (prefetched), back on the device");
     offload.keep = [this](const Ref& r) {
       for (const auto& [name, prm] : params_)
         if (prm.t.buf == r) return true;
@@ -363,7 +364,10 @@ Tensor LayerReplay::trunk(int64_t rows) {
   for (int64_t i = 0; i < c_.num_layers; ++i) {
     const int unit = 1 + static_cast<int>(i);
     if (gate_) gate_->gather(unit);
-    if (offloading) g_->set_offload(&offload);
+    if (offloading) {
+      offload.next_layer();
+      g_->set_offload(&offload);
+    }
     if (s_.checkpointing.whole_layer(i) && g_->grad_mode()) {
       x = checkpointed([this, i, rope](const Tensor& in) { return block(i, in, rope, false); }, x);
     } else {
@@ -371,7 +375,6 @@ Tensor LayerReplay::trunk(int64_t rows) {
     }
     if (offloading) {
       g_->set_offload(nullptr);
-      offload.copies.clear();
     }
     if (gate_) {
       gate_->forward_done(unit, g_->grad_mode());

@@ -122,6 +122,19 @@ Ref Graph::grad_for(const Tensor& input, int label) { return mem_.allocate(input
 
 Ref Graph::scratch(int64_t bytes) { return mem_.allocate(bytes, temporaries_label()); }
 
+void OffloadedLayer::restore(Memory& mem) {
+  if (!device.empty()) return;
+  for (const Ref& h : host) device.push_back(mem.allocate(mem.bytes(h), restored_label));
+}
+
+void SavedOffload::next_layer() {
+  auto next = std::make_shared<OffloadedLayer>();
+  next->restored_label = restored;
+  next->below = layer;
+  layer = std::move(next);
+  copies.clear();
+}
+
 void Graph::record(const std::vector<const Tensor*>& outputs, std::vector<Ref> saved, Backward backward) {
   if (!grad_mode_) return;
   Node n;
@@ -131,12 +144,15 @@ void Graph::record(const std::vector<const Tensor*>& outputs, std::vector<Ref> s
   if (n.outputs.empty()) return;
   n.saved = std::move(saved);
   if (offload_) {
-    n.restore_label = offload_->restored;
+    OffloadedLayer& layer = *offload_->layer;
     for (Ref& r : n.saved) {
       if (!r || mem_.bytes(r) == 0 || offload_->keep(r)) continue;
       Ref& host = offload_->copies[r->id()];
-      if (!host) host = mem_.allocate_host(mem_.bytes(r), offload_->host_label);
-      n.restore.push_back(mem_.bytes(r));
+      if (!host) {
+        host = mem_.allocate_host(mem_.bytes(r), offload_->host_label);
+        layer.host.push_back(host);
+      }
+      n.offloaded = offload_->layer;
       r = host;
     }
   }
@@ -207,8 +223,11 @@ void Graph::backward(const Tensor& root, Ref seed) {
     }
     std::vector<Emit> out;
     if (any) {
-      std::vector<Ref> restored;  // offloaded saved tensors, back on the device while the node runs
-      for (int64_t bytes : n.restore) restored.push_back(mem_.allocate(bytes, n.restore_label));
+      if (n.offloaded && !n.offloaded->entered) {
+        n.offloaded->entered = true;
+        n.offloaded->restore(mem_);
+        if (const std::shared_ptr<OffloadedLayer> below = n.offloaded->below.lock()) below->restore(mem_);
+      }
       out = n.backward(incoming);
     }
     // The node's inputs (incoming gradients) and saved tensors go once it has run.
@@ -220,6 +239,7 @@ void Graph::backward(const Tensor& root, Ref seed) {
       }
     }
     n.saved.clear();
+    n.offloaded.reset();
     n.backward = nullptr;
     for (Emit& e : out) accumulate(std::move(e));
   }

@@ -183,13 +183,26 @@ struct Emit {
 };
 
 // --offload activations (model/activation_offload.h): while a Graph has one set, the buffers a
-// recorded node saves go to host memory, one copy per buffer while `copies` lasts (a layer), except
-// those `keep` names (parameters); backward copies each back to the device, under `restored`, for
-// the node that unpacks it, and frees it once the node has run.
+// recorded node saves go to host memory, one copy per buffer and layer, except those `keep` names
+// (parameters). Backward, at the first node of a layer that runs, copies all of that layer's buffers
+// back to the device (unless they are already) and those of the layer below it (the prefetch); a
+// layer's device and host copies go once the last node that saved one of them has run.
+struct OffloadedLayer {
+  std::vector<Ref> host;    // its buffers' host copies, in the order they were made
+  std::vector<Ref> device;  // their copies back on the device (empty: not yet)
+  std::weak_ptr<OffloadedLayer> below;
+  int restored_label = 0;
+  bool entered = false;
+  void restore(Memory& mem);
+};
+
 struct SavedOffload {
   std::function<bool(const Ref&)> keep;
   int host_label = 0, restored = 0;
-  std::map<int, Ref> copies;  // by buffer id
+  // A new layer begins (the one before it in this forward lies below it).
+  void next_layer();
+  std::shared_ptr<OffloadedLayer> layer;  // the layer being recorded
+  std::map<int, Ref> copies;              // its host copies, by buffer id
 };
 
 class Graph {
@@ -226,8 +239,7 @@ class Graph {
   struct Node {
     std::vector<SlotPtr> outputs;
     std::vector<Ref> saved;
-    std::vector<int64_t> restore;  // offloaded: the bytes backward copies back
-    int restore_label = 0;
+    std::shared_ptr<OffloadedLayer> offloaded;  // the layer whose host copies it saved
     Backward backward;
   };
   void accumulate(Emit e);

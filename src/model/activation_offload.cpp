@@ -3,23 +3,58 @@
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <unordered_map>
+
+#include "device/cuda_adapter.h"
 #include "memory/host_pool.h"
 
 namespace headroom {
 
+namespace {
+
 // One storage's bytes in host memory, and which storage (and version of it) they are.
-struct ActivationOffload::HostCopy {
+struct HostCopy {
   at::Tensor bytes;  // uint8 [nbytes], host
   c10::weak_intrusive_ptr<c10::StorageImpl> source{c10::intrusive_ptr<c10::StorageImpl>()};
   int64_t version = 0;
 };
 
+}  // namespace
+
+struct ActivationOffload::Layer {
+  c10::Device device{c10::kCPU};
+  std::vector<HostCopy> copies;                                // in the order they were made
+  std::unordered_map<const c10::StorageImpl*, size_t> latest;  // while recorded: each storage's copy
+  std::weak_ptr<Layer> below;
+  std::shared_ptr<CudaCopyStream> stream;  // null on the cpu
+  std::vector<at::Tensor> on_device;       // the copies back on the device (empty: not yet)
+  bool entered = false;                    // backward has unpacked one of its tensors
+
+  // Copies the host bytes back to the device: at once on the cpu, queued on the copy stream on cuda.
+  void restore() {
+    if (!on_device.empty() || copies.empty()) return;
+    for (const HostCopy& c : copies) {
+      on_device.push_back(at::empty({c.bytes.numel()}, at::TensorOptions().dtype(at::kByte).device(device)));
+    }
+    if (!stream) {
+      for (size_t i = 0; i < copies.size(); ++i) on_device[i].copy_(copies[i].bytes);
+      return;
+    }
+    stream->after_compute();  // the blocks may still be in use by earlier kernels
+    stream->queue([this] {
+      for (size_t i = 0; i < copies.size(); ++i) on_device[i].copy_(copies[i].bytes, /*non_blocking=*/true);
+    });
+    for (const at::Tensor& d : on_device) stream->hold(d);
+  }
+};
+
 namespace {
 
-// What a saved tensor becomes: its storage's host copy and where in it the tensor lies.
+// What a saved tensor becomes: its layer, which of the layer's copies holds its storage, and where
+// in it the tensor lies.
 struct Packed {
-  at::Tensor host_bytes;
-  c10::Device device{c10::kCPU};
+  std::shared_ptr<ActivationOffload::Layer> layer;
+  size_t copy = 0;
   c10::ScalarType dtype = c10::kFloat;
   std::vector<int64_t> sizes, strides;
   int64_t offset = 0;
@@ -31,29 +66,56 @@ ActivationOffload::ActivationOffload(const std::vector<at::Tensor>& parameters) 
   for (const at::Tensor& p : parameters) parameters_.insert(p.storage().unsafeGetStorageImpl());
 }
 
+ActivationOffload::~ActivationOffload() = default;
+
+void ActivationOffload::start_forward() { previous_.reset(); }
+
+ActivationOffload::LayerScope::LayerScope(ActivationOffload& owner) : owner_(owner), hooks_(owner.shared_from_this()) {
+  owner_.open_ = std::make_shared<Layer>();
+  owner_.open_->below = owner_.previous_;
+}
+
+ActivationOffload::LayerScope::~LayerScope() {
+  owner_.open_->latest.clear();
+  owner_.previous_ = owner_.open_;
+  owner_.open_.reset();  // the packed tensors hold it from here
+}
+
 std::any ActivationOffload::pack(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return t;
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   if (parameters_.count(storage) > 0 || storage->nbytes() == 0) return t;
-  std::shared_ptr<HostCopy>& copy = layer_copies_[storage];
+  Layer& layer = *open_;
+  layer.device = t.device();
   const int64_t version = t._version();
-  if (!copy || copy->source.expired() || copy->version != version) {
+  auto found = layer.latest.find(storage);
+  if (found == layer.latest.end() || layer.copies[found->second].source.expired() ||
+      layer.copies[found->second].version != version) {
     const auto nbytes = static_cast<int64_t>(storage->nbytes());
-    auto fresh = std::make_shared<HostCopy>();
+    HostCopy fresh;
     {
       const HostPoolScope host;
-      fresh->bytes = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(t.is_cuda()));
+      fresh.bytes = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(t.is_cuda()));
     }
-    const at::Tensor source = at::from_blob(storage->mutable_data(), {nbytes},
-                                            at::TensorOptions().dtype(at::kByte).device(t.device()));
-    fresh->bytes.copy_(source);
-    fresh->source = t.storage().getWeakStorageImpl();
-    fresh->version = version;
-    copy = std::move(fresh);
+    const at::Tensor source =
+        at::from_blob(storage->mutable_data(), {nbytes}, at::TensorOptions().dtype(at::kByte).device(t.device()));
+    if (t.is_cuda()) {
+      if (!copies_) copies_ = std::make_shared<CudaCopyStream>();
+      layer.stream = copies_;
+      copies_->after_compute();  // the copy reads what the forward has queued so far
+      copies_->queue([&] { fresh.bytes.copy_(source, /*non_blocking=*/true); });
+      copies_->hold(t);  // its storage is not reused before the copy has read it
+    } else {
+      fresh.bytes.copy_(source);
+    }
+    fresh.source = t.storage().getWeakStorageImpl();
+    fresh.version = version;
+    layer.copies.push_back(std::move(fresh));
+    found = layer.latest.insert_or_assign(storage, layer.copies.size() - 1).first;
   }
   Packed p;
-  p.host_bytes = copy->bytes;
-  p.device = t.device();
+  p.layer = open_;
+  p.copy = found->second;
   p.dtype = t.scalar_type();
   p.sizes = t.sizes().vec();
   p.strides = t.strides().vec();
@@ -64,9 +126,14 @@ std::any ActivationOffload::pack(const at::Tensor& t) {
 at::Tensor ActivationOffload::unpack(const std::any& packed) {
   if (const auto* kept = std::any_cast<at::Tensor>(&packed)) return *kept;
   const auto& p = std::any_cast<const Packed&>(packed);
-  at::Tensor bytes = at::empty({p.host_bytes.numel()}, at::TensorOptions().dtype(at::kByte).device(p.device));
-  bytes.copy_(p.host_bytes);
-  return bytes.view(p.dtype).as_strided(p.sizes, p.strides, p.offset);
+  Layer& layer = *p.layer;
+  if (!layer.entered) {
+    layer.entered = true;
+    layer.restore();
+    if (layer.stream) layer.stream->before_compute();  // this layer's copies are there before it runs
+    if (const std::shared_ptr<Layer> below = layer.below.lock()) below->restore();
+  }
+  return layer.on_device[p.copy].view(p.dtype).as_strided(p.sizes, p.strides, p.offset);
 }
 
 }  // namespace headroom

@@ -540,6 +540,7 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input_ids, const ForwardOp
     rope.global = rotary_.tables(t, x.device());
     if (config_.local_rope_theta) rope.local = local_rotary_.tables(t, x.device());
   }
+  if (o.offload) o.offload->start_forward();
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer* l = &layers_[i];
     const int unit = 1 + static_cast<int>(i);

@@ -227,10 +227,13 @@ TEST(ChunkedLoss, TrainsAsTheFullLoss) {
 
 // --offload activations moves what the layers save to the host pool and back: the same numbers
 // bitwise (the copies are exact), less on the device at the end of forward, and host bytes where
-// there were none; over full checkpointing only the layers' inputs move.
+// there were none; over full checkpointing only the layers' inputs move. Six layers: backward holds
+// two layers' saved tensors (the one it is in and the prefetched one below), so the lever saves in
+// backward only where a model has more than two.
 TEST(ActivationOffload, SameStepsLowerPeak) {
   for (const char* checkpointing : {"none", "full"}) {
     RunConfig cfg = small_llama();
+    cfg.overrides = {"num_hidden_layers=6"};
     cfg.steps = 3;
     cfg.checkpointing = parse_checkpoint_policy(checkpointing);
     const auto kept = run_metrics(cfg);
@@ -241,12 +244,17 @@ TEST(ActivationOffload, SameStepsLowerPeak) {
       EXPECT_EQ(moved[i]["loss"].get<double>(), kept[i]["loss"].get<double>()) << checkpointing << " step " << i + 1;
       EXPECT_EQ(moved[i]["grad_norm"].get<double>(), kept[i]["grad_norm"].get<double>()) << checkpointing;
     }
-    // The forward ends holding less: what the layers saved is on the host. (Under full checkpointing
-    // the step's peak, in a layer's recompute, is the same either way here: the saving is the other
-    // layers' inputs, which backward has freed or not yet restored by then.)
+    // The forward ends holding less: what the layers saved is on the host. Without checkpointing the
+    // step's peak is lower too. (Under full checkpointing it is in a layer's recompute, the same
+    // either way here: the saving is the other layers' inputs.)
     auto forward_peak = [](const nlohmann::json& m) { return m["phases"]["forward"]["peak"].get<int64_t>(); };
+    auto peak = [](const nlohmann::json& m) { return m["peak_bytes"].get<int64_t>(); };
     EXPECT_LT(forward_peak(moved[1]), forward_peak(kept[1])) << checkpointing;
-    EXPECT_LE(moved[1]["peak_bytes"].get<int64_t>(), kept[1]["peak_bytes"].get<int64_t>()) << checkpointing;
+    if (std::string(checkpointing) == "none") {
+      EXPECT_LT(peak(moved[1]), peak(kept[1]));
+    } else {
+      EXPECT_LE(peak(moved[1]), peak(kept[1]));
+    }
     EXPECT_FALSE(kept[1].contains("host_peak_bytes"));
     ASSERT_TRUE(moved[1].contains("host_peak_bytes"));
     EXPECT_GT(moved[1]["host_peak_bytes"].get<int64_t>(), 0);
