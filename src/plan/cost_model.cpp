@@ -24,15 +24,19 @@ double attention_matmul_params(const ModelConfig& c) {
   return h * (q + 2 * kv) + q * h;
 }
 
+// QKᵀ and PV of one layer: 2 · 2 · T · head_dim per query token and head; causal flash skips the
+// upper half.
+double attention_flops_per_layer(const ModelConfig& c, double tokens, double seq, AttentionPath attention) {
+  return 4 * tokens * seq * static_cast<double>(c.num_heads * c.head_dim) * (attention == AttentionPath::flash ? 0.5 : 1.0);
+}
+
 }  // namespace
 
 double micro_batch_flops(const ModelConfig& c, int64_t rows, int64_t seq, const CheckpointPolicy& checkpointing,
                          AttentionPath attention, bool chunked_loss) {
   const double tokens = static_cast<double>(rows * seq), t = static_cast<double>(seq);
   const double layers = static_cast<double>(c.num_layers);
-  // QKᵀ and PV: 2 · 2 · T · head_dim per query token and head; causal flash skips the upper half.
-  const double attn_per_layer =
-      4 * tokens * t * static_cast<double>(c.num_heads * c.head_dim) * (attention == AttentionPath::flash ? 0.5 : 1.0);
+  const double attn_per_layer = attention_flops_per_layer(c, tokens, t, attention);
   const double forward = 2 * matmul_params(c) * tokens + attn_per_layer * layers;
   double recompute = 0;
   const double layer_forward = (forward - 2 * static_cast<double>(c.vocab_size * c.hidden_size) * tokens) / layers;
@@ -165,8 +169,25 @@ double CostModel::step_seconds(const ModelConfig& model, int64_t micro, int64_t 
   return seconds;
 }
 
-double CostModel::activation_offload_seconds(int64_t bytes, int64_t micro_batches) const {
-  return 2 * static_cast<double>(bytes) * static_cast<double>(micro_batches) / host_link_;
+double CostModel::activation_offload_seconds(int64_t bytes, int64_t micro_batches, double layers_forward_seconds,
+                                             int64_t layers) const {
+  const double one_way = static_cast<double>(bytes) / host_link_;
+  const double below_top = static_cast<double>(std::max<int64_t>(layers, 1) - 1) / static_cast<double>(std::max<int64_t>(layers, 1));
+  const double down = std::max(0.0, one_way - layers_forward_seconds);
+  const double up = one_way * (1 - below_top) + std::max(0.0, below_top * (one_way - 2 * layers_forward_seconds));
+  return (down + up) * static_cast<double>(micro_batches);
+}
+
+double CostModel::layers_forward_seconds(const ModelConfig& c, int64_t micro, int64_t seq, Precision precision,
+                                         AttentionPath attention) const {
+  StepTimeFit fit{0, 1e-12};
+  if (auto it = fits_.find(precision); it != fits_.end()) fit = it->second;
+  const double tokens = static_cast<double>(micro * seq);
+  const double head = static_cast<double>(c.vocab_size * c.hidden_size);
+  const double flops = 2 * (matmul_params(c) - head) * tokens +
+                       attention_flops_per_layer(c, tokens, static_cast<double>(seq), attention) *
+                           static_cast<double>(c.num_layers);
+  return fit.seconds_per_flop * flops;
 }
 
 void CostModel::set_host_link(double bytes_per_second) {

@@ -55,9 +55,18 @@ class CostModel {
   // Seconds of one optimizer step of `global_rows` sequences as micro-batches of `micro` rows.
   double step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq, Precision precision,
                       const CheckpointPolicy& checkpointing, AttentionPath attention, bool chunked_loss = false) const;
-  // What offloading `bytes` of saved activations per micro-batch adds: down in forward and back in
-  // backward over the host link, for each of `micro_batches`.
-  double activation_offload_seconds(int64_t bytes, int64_t micro_batches) const;
+  // What offloading `bytes` of saved activations per micro-batch adds, for each of `micro_batches`:
+  // down in forward and back in backward over the host link, less what compute hides. On cuda the
+  // copies run beside the compute stream: the copies down behind the layers' forward
+  // (`layers_forward_seconds` a micro-batch), the prefetches of all but the top layer (of `layers`)
+  // behind backward (twice the forward); the top layer's copy back is not hidden. On the cpu (0
+  // seconds given) nothing is: the whole round trip counts.
+  double activation_offload_seconds(int64_t bytes, int64_t micro_batches, double layers_forward_seconds = 0,
+                                    int64_t layers = 1) const;
+  // Seconds of the layers' forward in one micro-batch (the head's matmul and the loss left out), by
+  // the calibrated time per FLOP.
+  double layers_forward_seconds(const ModelConfig& model, int64_t micro, int64_t seq, Precision precision,
+                                AttentionPath attention) const;
   // The host link both offloads cross: measured (set_host_link) or, until then, assumed
   // (kHostLinkBytesPerSecond, a pinned PCIe 4 link's order).
   void set_host_link(double bytes_per_second);

@@ -137,10 +137,17 @@ std::vector<Precision> precisions_of(const PlanResult& plans) {
 
 void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) {
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
+  // On cuda activation offload copies beside the compute stream (model/activation_offload.h).
+  const bool overlapped = train_spec(r.base).cuda;
   for (Plan& p : plans.plans) {
     p.predicted_step_seconds = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
                                                  p.checkpointing, p.attention, p.loss.chunked) +
-                               cost.activation_offload_seconds(p.offloaded_activation_bytes, p.accum) +
+                               cost.activation_offload_seconds(p.offloaded_activation_bytes, p.accum,
+                                                               overlapped ? cost.layers_forward_seconds(
+                                                                                model, p.batch, r.base.seq,
+                                                                                p.precision, p.attention)
+                                                                          : 0.0,
+                                                               model.num_layers) +
                                cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) +
                                cost.state_lever_seconds(p.trainable_params, p.precision, p.optimizer, p.offload);
   }

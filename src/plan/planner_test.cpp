@@ -211,6 +211,17 @@ TEST(CostModel, OffloadsAreCostedOverTheHostLinkMeasuredWhenAPlanOffloads) {
   cost.set_host_link(1e9);
   EXPECT_TRUE(cost.host_link_measured());
   EXPECT_DOUBLE_EQ(cost.activation_offload_seconds(1'000'000'000, 3), 6.0);
+  // On cuda, 1 s each way a micro-batch over 4 layers: the copy down hides behind the layers'
+  // forward, the prefetches of the lower three layers behind backward (twice the forward), the top
+  // layer's quarter of the copy back not at all.
+  EXPECT_DOUBLE_EQ(cost.activation_offload_seconds(1'000'000'000, 3, 0.5, 4), 3 * (0.5 + 0.25 + 0.0));
+  EXPECT_DOUBLE_EQ(cost.activation_offload_seconds(1'000'000'000, 3, 0.2, 4), 3 * (0.8 + 0.25 + 0.75 * 0.6));
+  EXPECT_DOUBLE_EQ(cost.activation_offload_seconds(1'000'000'000, 3, 5.0, 4), 3 * 0.25);
+  // gpt2's two layers over 2 x 32 tokens, by hand: 2 · 7,077,888 matmul weights a layer · 64 tokens,
+  // and flash attention's 4 · 64 · 32 · 768 / 2 a layer, at the uncalibrated 1e-12 s a FLOP.
+  const ModelConfig gpt2 = load_model_config("gpt2", {"n_layer=2"});
+  EXPECT_NEAR(CostModel::flops_only().layers_forward_seconds(gpt2, 2, 32, Precision::fp32, AttentionPath::flash),
+              (2.0 * 2 * 7'077'888 * 64 + 2.0 * 4 * 64 * 32 * 768 / 2) * 1e-12, 1e-18);
   // An offloaded AdamW over a million float32 parameters: 4 MB of gradients down and 4 MB of
   // weights up, and 2 ns a value on the host.
   EXPECT_NEAR(cost.state_lever_seconds(1'000'000, Precision::fp32, OptimizerKind::adamw, Offload::optimizer),
