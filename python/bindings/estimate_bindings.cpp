@@ -98,6 +98,13 @@ void bind_estimate(py::module_& m) {
       "training_arguments_code", [](const std::string& plan) { return training_arguments_code(plan_from_json(plan)); },
       py::arg("plan_json"));
   m.def(
+      "lightning_trainer_kwargs",
+      [](const std::string& plan) { return dump_json(lightning_trainer_kwargs(plan_from_json(plan))); },
+      py::arg("plan_json"));
+  m.def(
+      "lightning_trainer_code", [](const std::string& plan) { return lightning_trainer_code(plan_from_json(plan)); },
+      py::arg("plan_json"));
+  m.def(
       "torch_loop_code",
       [](const std::string& plan, const std::string& device) { return torch_loop_code(plan_from_json(plan), device); },
       py::arg("plan_json"), py::arg("device"));

@@ -143,6 +143,22 @@ class Plan(dict):
         """The same as Python source to paste (``headroom plan --emit hf``)."""
         return _core.training_arguments_code(json.dumps(self))
 
+    def lightning_trainer_kwargs(self) -> Dict[str, Any]:
+        """The Lightning settings: ``{"trainer_kwargs": {...}, "module": {...}, "model_kwargs": {...},
+        "notes": [...]}``.
+
+        ``lightning.Trainer(**p.lightning_trainer_kwargs()["trainer_kwargs"])`` (``precision``,
+        ``accumulate_grad_batches``, and ``devices`` and ``strategy`` over several ranks); ``module``
+        is what the LightningModule and its DataLoader take: ``batch_size``, ``gradient_checkpointing``
+        (enable it in ``configure_model``) and ``optimizer`` (``configure_optimizers``' source);
+        ``notes`` say where Lightning cannot do exactly what was planned.
+        """
+        return json.loads(_core.lightning_trainer_kwargs(json.dumps(self)))
+
+    def lightning_trainer_code(self) -> str:
+        """The same as Python source to paste (``headroom plan --emit lightning``)."""
+        return _core.lightning_trainer_code(json.dumps(self))
+
     def torch_loop(self, device: str = "cuda") -> str:
         """A plain PyTorch loop with the plan's accumulation, autocast and checkpointing, as Python
         source (``headroom plan --emit torch``)."""

@@ -86,13 +86,16 @@ def test_plan_equals_the_cli_and_converts_to_settings(tmp_path):
     assert ta.per_device_train_batch_size == best["batch"]
     assert "TrainingArguments(" in best.training_arguments_code()
 
-    # The CLI prints the same: `plan --emit hf|torch`, Python source that compiles.
-    for emit in ("hf", "torch"):
+    # The CLI prints the same: `plan --emit hf|lightning|torch`, Python source that compiles.
+    for emit in ("hf", "lightning", "torch"):
         j = json.loads(headroom_cli("plan", "--model", str(path), "--data", str(tmp_path / "empty.txt"),
                                     "--global-batch", "16", "--memory-budget", "6GiB", "--seq", "512", "--device",
                                     "cpu", "--optimizer-impl", "torch", "--no-calibrate", "--json", "--emit", emit))
         assert j["emit"]["format"] == emit
         compile(j["emit"]["code"], f"plan --emit {emit}", "exec")
+        if emit == "lightning":
+            assert j["emit"]["settings"] == best.lightning_trainer_kwargs()
+            assert j["emit"]["code"] == best.lightning_trainer_code()
     assert j["emit"]["code"] == best.torch_loop("cpu")
     text = headroom_cli("plan", "--model", str(path), "--data", str(tmp_path / "empty.txt"), "--global-batch", "16",
                         "--memory-budget", "6GiB", "--seq", "512", "--device", "cpu", "--optimizer-impl", "torch",
@@ -109,6 +112,59 @@ def test_each_lever_maps_to_its_setting():
         "gradient_checkpointing": True, "optim": "adafactor", "fsdp": "full_shard"}
     assert s["model_kwargs"] == {"attn_implementation": "eager"}
     assert any("every layer" in n for n in s["notes"]) and any("torchrun" in n for n in s["notes"])
+
+
+def test_each_lever_maps_to_its_lightning_setting():
+    plan = headroom.Plan(batch=2, accum=8, precision="fp16-mixed", checkpointing="selective", optimizer="adamw",
+                         attention="flash", shard="full", world_size=4)
+    s = plan.lightning_trainer_kwargs()
+    assert s["trainer_kwargs"] == {"precision": "16-mixed", "accumulate_grad_batches": 8, "devices": 4,
+                                   "strategy": "fsdp"}
+    assert s["module"]["batch_size"] == 2 and s["module"]["gradient_checkpointing"] is True
+    assert s["module"]["optimizer"].startswith("torch.optim.AdamW((q for q in self.parameters() if q.requires_grad)")
+    assert any("configure_model" in n for n in s["notes"]) and any("every layer" in n for n in s["notes"])
+    pure = headroom.Plan(batch=1, accum=1, precision="bf16", checkpointing="none", optimizer="sgd",
+                         attention="math", shard="optimizer", world_size=2)
+    s = pure.lightning_trainer_kwargs()
+    assert s["trainer_kwargs"] == {"precision": "bf16-true", "accumulate_grad_batches": 1, "devices": 2,
+                                   "strategy": "deepspeed_stage_1"}
+    assert s["model_kwargs"] == {"attn_implementation": "eager", "dtype": "bfloat16"}
+    assert s["module"]["gradient_checkpointing"] is False
+
+
+def test_the_lightning_kwargs_train_with_the_planned_accumulation():
+    """lightning.Trainer takes the plan's arguments as they are: micro-batches of the plan's size,
+    accumulated, give the update of one whole-batch step (Lightning scales each micro-batch's loss)."""
+    import lightning  # pinned in the setup venv (scripts/setup)
+    plan = headroom.Plan(batch=2, accum=3, precision="fp32", checkpointing="none", optimizer="sgd",
+                         attention="flash", shard="none", world_size=1)
+    s = plan.lightning_trainer_kwargs()
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+        def configure_optimizers(self):
+            return eval(s["module"]["optimizer"], {"torch": torch, "self": self, "lr": 0.1})
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    module, whole = Module(), torch.nn.Linear(4, 1)
+    whole.load_state_dict(module.lin.state_dict())
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=s["module"]["batch_size"])
+    trainer = lightning.Trainer(**s["trainer_kwargs"], accelerator="cpu", devices=1, max_steps=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 1
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    torch.nn.functional.mse_loss(whole(x), y).backward()
+    opt.step()
+    torch.testing.assert_close(module.lin.weight, whole.weight)
 
 
 def test_the_torch_loop_runs_and_accumulates(tmp_path):

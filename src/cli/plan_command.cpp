@@ -26,12 +26,13 @@ struct PlanOptions {
   std::vector<std::string> allow;  // --allow: optimizer, adamw8bit, offload
   bool calibrate = true;
   int64_t top = 10;
-  std::string emit;  // "hf", "torch" or "toml": the best plan as settings to paste
+  std::string emit;  // "hf", "lightning", "torch" or "toml": the best plan as settings to paste
 };
 
 // The best plan as the settings --emit names: Python source, or a run file.
 std::string emitted(const RunConfig& cfg, const PlanOptions& o, const Plan& best, int64_t budget) {
   if (o.emit == "hf") return training_arguments_code(best);
+  if (o.emit == "lightning") return lightning_trainer_code(best);
   if (o.emit == "toml") {
     // A run file for `headroom train --config`: the plan on the model and budget planned for, the
     // sequences per step kept; the planner's own outputs (--json, --quiet) are not the run's.
@@ -136,9 +137,10 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
   cmd->add_flag("!--no-calibrate", o->calibrate, "rank by FLOPs alone, without timing steps on this machine");
   cmd->add_option("--emit", o->emit,
                   "also print the best plan as settings to paste: hf (transformers TrainingArguments and\n"
-                  "from_pretrained arguments), torch (a plain loop: accumulation, autocast, checkpointing) or\n"
+                  "from_pretrained arguments), lightning (lightning.Trainer arguments and what the\n"
+                  "LightningModule enables), torch (a plain loop: accumulation, autocast, checkpointing) or\n"
                   "toml (a run file for headroom train --config)")
-      ->check(CLI::IsMember({"hf", "torch", "toml"}));
+      ->check(CLI::IsMember({"hf", "lightning", "torch", "toml"}));
   cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all)")->check(CLI::Range(1, 100000));
   cmd->callback([config, o, &run] {
     run = [config, o]() -> int {
@@ -153,6 +155,7 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         if (!o->emit.empty() && !result.plans.empty()) {
           j["emit"] = {{"format", o->emit}, {"code", emitted(cfg, *o, result.plans.front(), r.budget)}};
           if (o->emit == "hf") j["emit"]["settings"] = training_arguments(result.plans.front());
+          if (o->emit == "lightning") j["emit"]["settings"] = lightning_trainer_kwargs(result.plans.front());
         }
         fmt::print("{}\n", dump_json(j));
       }
@@ -192,8 +195,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         }
         if (!o->emit.empty()) {
           fmt::print("\nThe fastest plan, {}:\n\n{}",
-                     o->emit == "hf"      ? "for transformers' Trainer"
-                     : o->emit == "toml" ? "as a run file for headroom train --config"
+                     o->emit == "hf"           ? "for transformers' Trainer"
+                     : o->emit == "lightning" ? "for Lightning's Trainer"
+                     : o->emit == "toml"      ? "as a run file for headroom train --config"
                                          : "in a plain PyTorch loop",
                      emitted(cfg, *o, result.plans.front(), r.budget));
         }

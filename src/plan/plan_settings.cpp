@@ -116,6 +116,92 @@ std::string training_arguments_code(const Plan& p) {
   return out;
 }
 
+nlohmann::json lightning_trainer_kwargs(const Plan& p) {
+  const char* precision = "32-true";
+  if (p.precision == Precision::bf16_mixed) precision = "bf16-mixed";
+  if (p.precision == Precision::fp16_mixed) precision = "16-mixed";
+  if (p.precision == Precision::bf16) precision = "bf16-true";
+  nlohmann::json trainer = {{"precision", precision}, {"accumulate_grad_batches", p.accum}};
+  // The optimizer over the module's trainable parameters, as configure_optimizers returns it.
+  std::string optimizer = torch_optimizer(p.optimizer);
+  const std::string all = "model.parameters()";
+  optimizer.replace(optimizer.find(all), all.size(), "(q for q in self.parameters() if q.requires_grad)");
+  nlohmann::json module = {{"batch_size", p.batch},
+                           {"gradient_checkpointing", p.checkpointing.kind != CheckpointPolicy::Kind::none},
+                           {"optimizer", optimizer}};
+  nlohmann::json model = {{"attn_implementation", p.attention == AttentionPath::flash ? "sdpa" : "eager"}};
+  nlohmann::json notes = nlohmann::json::array();
+  if (p.precision == Precision::bf16) {
+    model["dtype"] = "bfloat16";
+    notes.push_back("bf16: precision=\"bf16-true\" keeps the weights themselves in bfloat16, no autocast");
+  }
+  if (p.checkpointing.kind != CheckpointPolicy::Kind::none) {
+    notes.push_back(
+        "checkpointing has no Trainer argument: in the LightningModule's configure_model, call "
+        "self.model.gradient_checkpointing_enable() (a transformers model) or wrap each layer in "
+        "torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)");
+  }
+  if (p.checkpointing.kind == CheckpointPolicy::Kind::selective ||
+      p.checkpointing.kind == CheckpointPolicy::Kind::every) {
+    notes.push_back(fmt::format(
+        "checkpointing {}: gradient_checkpointing_enable() checkpoints every layer; its peak is lower and its "
+        "step slower than planned",
+        p.checkpointing.name()));
+  }
+  if (offloads_activations(p.offload)) {
+    notes.push_back(
+        "offload activations has no Trainer argument: run the model's forward in training_step inside "
+        "headroom.offload_activations()");
+  }
+  if (p.loss.chunked) {
+    notes.push_back(
+        "loss chunked has no Trainer argument: compute the loss in training_step with "
+        "headroom.chunked_cross_entropy(hidden, model.lm_head.weight, labels)");
+  }
+  if (offloads_optimizer(p.offload)) {
+    notes.push_back(fmt::format(
+        "offload optimizer: return torchao.optim.CPUOffloadOptimizer(self.parameters(), {}) from "
+        "configure_optimizers, or use strategy=\"deepspeed_stage_2_offload\"",
+        torch_optimizer_class(p.optimizer)));
+  }
+  if (p.world > 1) {
+    trainer["devices"] = p.world;
+    switch (p.shard) {
+      case ShardLevel::none: trainer["strategy"] = "ddp"; break;
+      case ShardLevel::optimizer: trainer["strategy"] = "deepspeed_stage_1"; break;
+      case ShardLevel::gradients: trainer["strategy"] = "deepspeed_stage_2"; break;
+      case ShardLevel::full: trainer["strategy"] = "fsdp"; break;
+    }
+    notes.push_back("the batch size is per device; Lightning starts one process per device");
+    if (p.shard == ShardLevel::gradients) {
+      notes.push_back("shard gradients (ZeRO-2): FSDPStrategy(sharding_strategy=\"SHARD_GRAD_OP\") is the FSDP equivalent");
+    }
+  }
+  return {{"trainer_kwargs", trainer}, {"module", module}, {"model_kwargs", model}, {"notes", notes}};
+}
+
+std::string lightning_trainer_code(const Plan& p) {
+  const nlohmann::json s = lightning_trainer_kwargs(p);
+  const nlohmann::json& m = s.at("module");
+  std::string out = fmt::format("# {}\n", p.describe());
+  for (const auto& note : s.at("notes")) out += "# " + note.get<std::string>() + "\n";
+  out += "model = AutoModelForCausalLM.from_pretrained(name";
+  for (const auto& [k, v] : s.at("model_kwargs").items()) {
+    out += fmt::format(", {}={}", k, k == "dtype" ? "torch." + v.get<std::string>() : python_value(v));
+  }
+  out += ")\n";
+  out += fmt::format("loader = DataLoader(dataset, batch_size={}, shuffle=True)\n", m.at("batch_size").get<int64_t>());
+  out += "# in the LightningModule:\n";
+  if (m.at("gradient_checkpointing").get<bool>()) {
+    out += "#   def configure_model(self): self.model.gradient_checkpointing_enable()\n";
+  }
+  out += fmt::format("#   def configure_optimizers(self): return {}\n", m.at("optimizer").get<std::string>());
+  out += "trainer = lightning.Trainer(\n";
+  for (const auto& [k, v] : s.at("trainer_kwargs").items()) out += fmt::format("    {}={},\n", k, python_value(v));
+  out += ")\n";
+  return out;
+}
+
 std::string torch_loop_code(const Plan& p, const std::string& device) {
   std::string out = fmt::format("# {}\n", p.describe());
   if (p.precision == Precision::bf16) out += "model = model.to(torch.bfloat16)  # bf16: the weights themselves\n";
