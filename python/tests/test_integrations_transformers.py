@@ -14,17 +14,17 @@ from headroom.integrations.transformers import HeadroomCallback, step_metrics
 BATCH, ACCUM, SEQ, STEPS = 2, 2, 32, 6
 
 
-def gpt2():
-    config = transformers.GPT2Config(n_layer=2, n_positions=64)  # n_embd 768, vocab 50,257, tied head
+def gpt2(positions=64):
+    config = transformers.GPT2Config(n_layer=2, n_positions=positions)  # n_embd 768, vocab 50,257, tied head
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
 
-def rows(n):
+def rows(n, seq=SEQ):
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
-        ids = torch.randint(0, 50257, (SEQ,), generator=g)
+        ids = torch.randint(0, 50257, (seq,), generator=g)
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
 
@@ -131,8 +131,61 @@ def test_a_leak_in_compute_loss_is_found_and_named_by_where_it_was_made(tmp_path
     assert "headroom: leak" in caplog.text
 
 
+def gpt2_without_dropout():
+    model = gpt2(positions=128)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # the halves would draw other masks than the whole
+    return model
+
+
+def guarded_run(tmp_path, budget=None, guard=True):
+    """Three steps of 8 x 128 tokens, where the step's peak is the head's backward, over the logits
+    and their gradient (at fewer tokens it is the end of backward, where the tied embedding's two
+    gradients are summed: halving the batch does not lower that)."""
+    callback = HeadroomCallback(guard=guard, leak=False)
+    trainer = transformers.Trainer(
+        model=gpt2_without_dropout(),
+        args=arguments(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=3,
+                       logging_steps=1),
+        train_dataset=rows(24, seq=128), callbacks=[callback])
+    headroom.cpu_budget(budget)
+    try:
+        trainer.train()
+    finally:
+        headroom.cpu_budget(None)
+    history = trainer.state.log_history
+    out = dict(losses=[h["loss"] for h in history if "loss" in h],
+               rates=[h["learning_rate"] for h in history if "loss" in h],
+               peak=max(h["headroom/peak_bytes"] for h in logged(trainer)),
+               recoveries=[h["headroom/oom_recoveries"] for h in logged(trainer)],
+               callback_recoveries=callback.recoveries, micro_batch=callback.micro_batch)
+    del trainer, callback
+    gc.collect()
+    return out
+
+
+def test_the_guard_absorbs_an_oom_at_the_same_effective_batch(tmp_path, caplog):
+    """Under a cpu budget one byte below the unconstrained run's peak, micro-batches of 8 run out of
+    memory; the guard splits them and the run finishes with every step's loss within 1e-4 of the
+    unconstrained run's, the Trainer's schedule untouched (same steps, same learning rates)."""
+    free = guarded_run(tmp_path)
+    assert free["callback_recoveries"] == 0 and len(free["losses"]) == 3
+    with caplog.at_level(logging.WARNING, logger="headroom"):
+        tight = guarded_run(tmp_path, budget=free["peak"] - 1)
+    assert tight["callback_recoveries"] >= 1 and sum(tight["recoveries"]) == tight["callback_recoveries"]
+    assert tight["micro_batch"] < 8 and tight["peak"] < free["peak"]
+    assert "out of memory with micro-batch 8; running the step again as 4 x 2" in caplog.text
+    assert tight["rates"] == free["rates"]
+    assert tight["losses"] == pytest.approx(free["losses"], rel=1e-4)
+
+
+def test_without_the_guard_the_same_budget_ends_the_run(tmp_path):
+    free = guarded_run(tmp_path, guard=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        guarded_run(tmp_path, budget=free["peak"] - 1, guard=False)
+
+
 def test_bad_settings_are_refused_in_one_line():
     with pytest.raises(ValueError, match="every=0: accepted"):
         HeadroomCallback(every=0)
-    with pytest.raises(NotImplementedError, match="guard=True"):
-        HeadroomCallback(guard=True)

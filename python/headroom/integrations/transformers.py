@@ -30,9 +30,24 @@ When training ends it logs ``headroom/leak_bytes_per_step`` and ``headroom/leak_
 writes the verdict, with where the allocations that survived their step were made (cpu: the Python
 line), to the ``headroom`` logger (a warning when a leak is found).
 
+``guard=True`` keeps the run alive at the same effective batch, by headroom's guard's rules
+(:mod:`headroom.guard`): when a micro-batch's forward or backward runs out of memory, the step's
+gradients are dropped and its micro-batches so far run again, each split in halves and accumulated
+(halved again while that fails, down to one row); the smaller micro-batch is kept for the later
+steps, and ``headroom/oom_recoveries`` counts the splits. The optimizer sees the same rows per update
+and the learning-rate schedule is unchanged (unlike ``auto_find_batch_size``, which shrinks the
+batch). Each part passes the Trainer the whole micro-batch's ``num_items_in_batch``, so a loss
+normalised by it (a transformers model's own) sums exactly; a loss the Trainer divides by the
+accumulation steps instead is weighted by the part's share of the rows. A failure in the optimizer's
+update, or with one row, ends the run as it would have. Dropout draws other masks for the halves
+than for the whole.
+
 What of the Trainer this touches beyond the ``TrainerCallback`` interface: the Trainer object
 itself, found on the call stack when an event first reaches the callback (a callback is not given
-it), for ``Trainer.log``. Tested with transformers 5.24.
+it), for ``Trainer.log``; and with ``guard=True``, ``Trainer.training_step`` (wrapped on the
+instance for the run) with the attributes that decide its loss scaling,
+``current_gradient_accumulation_steps``, ``loss_is_scaled_for_ga``, ``model_accepts_loss_kwargs``
+and ``compute_loss_func``. Tested with transformers 5.24.
 """
 from __future__ import annotations
 
@@ -43,6 +58,8 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
+from .. import _core
+from ..guard import _rows, _rows_of
 from ..monitor import Monitor
 
 __all__ = ["HeadroomCallback"]
@@ -84,21 +101,26 @@ def step_metrics(record: Dict[str, Any]) -> Dict[str, Any]:
 
 class HeadroomCallback(TrainerCallback):
     """``Trainer(..., callbacks=[HeadroomCallback()])``: headroom's per-step memory figures in the
-    Trainer's logs, and the leak verdict at the end (see the module's documentation).
+    Trainer's logs, the leak verdict at the end and, with ``guard=True``, out-of-memory errors in a
+    micro-batch absorbed at the same effective batch (see the module's documentation).
 
     ``every``: log every this many optimizer steps (each step is measured). ``leak``: judge leaks
     when training ends and record, on the cpu, the Python line of each allocation (a few
-    microseconds each). ``guard``: keep the run alive on out-of-memory — not built yet; ``True`` is
-    refused rather than ignored.
+    microseconds each).
     """
 
     def __init__(self, guard: bool = False, leak: bool = True, every: int = 1):
-        if guard:
-            raise NotImplementedError("HeadroomCallback(guard=True): not built yet; accepted: guard=False")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every={every!r}: accepted: a whole number of optimizer steps, 1 or more")
         self.every = every
+        self.guard = bool(guard)
         self.leak = leak
+        self.micro_batch: Optional[int] = None  # rows a part, once the guard has split micro-batches
+        self.recoveries = 0  # over the run
+        self._step_recoveries = 0
+        self._step_inputs: list = []  # this step's micro-batches so far, to run again after an OOM
+        self._rng = None
+        self._original_step = None
         self.monitor: Optional[Monitor] = None
         self.steps: list = []  # each step's Monitor record
         self.verdict: Optional[Dict[str, Any]] = None
@@ -118,12 +140,87 @@ class HeadroomCallback(TrainerCallback):
             self.monitor._core.exit()
             self._phase = None
 
-    def _log(self, values: Dict[str, Any]) -> None:
+    def _log(self, values: Dict[str, Any], control) -> None:
         if self._trainer is None:
             self._trainer = _find_trainer()
         if self._trainer is None:
             raise RuntimeError("HeadroomCallback: no transformers Trainer on the call stack to log through")
+        # Trainer.log's on_log event clears should_log: the Trainer's own log of this step must still come.
+        should_log = control.should_log
         self._trainer.log(values)
+        control.should_log = should_log
+
+    # The guard: Trainer.training_step, wrapped.
+    def _loss_scaled_by_trainer(self, num_items_in_batch) -> bool:
+        t = self._trainer
+        if getattr(t, "loss_is_scaled_for_ga", None) is not None:
+            return not t.loss_is_scaled_for_ga
+        scaled = (getattr(t, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
+            getattr(t, "compute_loss_func", None) is not None)
+        return not scaled
+
+    def _run(self, model, inputs, num_items_in_batch):
+        """One micro-batch, in parts of ``micro_batch`` rows once the guard has split; the loss the
+        Trainer adds to its running total, for the whole micro-batch."""
+        rows = _rows(inputs)
+        micro = min(self.micro_batch or rows, rows)
+        if micro >= rows:
+            return self._original_step(model, inputs, num_items_in_batch)
+        trainer = self._trainer
+        divide = self._loss_scaled_by_trainer(num_items_in_batch)
+        steps = trainer.current_gradient_accumulation_steps
+        total = None
+        try:
+            for i in range(_core.accumulation_for(rows, micro)):
+                part = _rows_of(inputs, i * micro, min(rows, (i + 1) * micro))
+                if divide:  # the part's mean, weighted by its share of the rows
+                    trainer.current_gradient_accumulation_steps = steps * rows / _rows(part)
+                loss = self._original_step(model, part, num_items_in_batch)
+                total = loss if total is None else total + loss
+        finally:
+            trainer.current_gradient_accumulation_steps = steps
+        return total
+
+    def _recover(self, model, rows: int, failure: str, state) -> None:
+        """After an OOM in a micro-batch: the step starts again with smaller parts, or the run ends."""
+        model.zero_grad(set_to_none=True)
+        self._phase = None  # abort_step closes the phase in flight
+        self.monitor.abort_step()
+        micro = min(self.micro_batch or rows, rows)
+        action, smaller = _core.after_step_oom(micro, False, True)
+        if action == "give_up":
+            raise torch.OutOfMemoryError(
+                f"step {state.global_step + 1}: out of memory with micro-batch {micro}; micro-batch 1 does not fit "
+                f"either: {failure}")
+        _log.warning("headroom: step %d: out of memory with micro-batch %d; running the step again as %d x %d",
+                     state.global_step + 1, micro, smaller, _core.accumulation_for(rows, smaller))
+        self.micro_batch = smaller
+        self._step_recoveries += 1
+        if self._rng is not None:
+            torch.set_rng_state(self._rng)
+
+    def _install_guard(self, state) -> None:
+        trainer = self._trainer
+        self._original_step = trainer.training_step
+
+        def training_step(model, inputs, num_items_in_batch=None):
+            self._step_inputs.append((inputs, num_items_in_batch))
+            try:
+                return self._run(model, inputs, num_items_in_batch)
+            except torch.OutOfMemoryError as e:
+                failure = str(e).splitlines()[0] if str(e) else "out of memory"
+            # Out of the except block: the traceback, and the activations its frames held, are gone.
+            while True:
+                self._recover(model, _rows(inputs), failure, state)
+                try:
+                    loss = None
+                    for earlier, items in self._step_inputs:  # the step's micro-batches so far, again
+                        loss = self._run(model, earlier, items)
+                    return loss  # the Trainer has counted the earlier ones' losses already
+                except torch.OutOfMemoryError as e:
+                    failure = str(e).splitlines()[0] if str(e) else "out of memory"
+
+        trainer.training_step = training_step
 
     def on_init_end(self, args, state, control, **kwargs):
         self._trainer = _find_trainer()
@@ -146,11 +243,20 @@ class HeadroomCallback(TrainerCallback):
                 self._enter("backward")
 
         self._hooks = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
+        self.recoveries = 0
+        if self.guard:
+            if self._trainer is None:
+                raise RuntimeError("HeadroomCallback(guard=True): no transformers Trainer on the call stack to guard")
+            self._install_guard(state)
         self._enter("data")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._exit()
         self._in_step = True
+        self._step_inputs = []
+        self._step_recoveries = 0
+        if self.guard:
+            self._rng = torch.get_rng_state()
 
     def on_substep_end(self, args, state, control, **kwargs):
         self._exit()
@@ -164,10 +270,16 @@ class HeadroomCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._exit()
-        record = self.monitor.end_step(batch=args.per_device_train_batch_size, accum=args.gradient_accumulation_steps)
+        rows = args.per_device_train_batch_size
+        micro = min(self.micro_batch or rows, rows)
+        record = self.monitor.end_step(batch=micro,
+                                       accum=args.gradient_accumulation_steps * _core.accumulation_for(rows, micro),
+                                       oom_recoveries=self._step_recoveries)
+        self.recoveries += self._step_recoveries
+        self._step_inputs = []
         self.steps.append(record)
         if state.global_step % self.every == 0:
-            self._log(step_metrics(record))
+            self._log(step_metrics(record), control)
         self._enter("data")
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -175,12 +287,15 @@ class HeadroomCallback(TrainerCallback):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._original_step is not None:
+            del self._trainer.training_step  # the class's own again
+            self._original_step = None
         if self.monitor is None:
             return
         if self.leak:
             self.verdict = self.monitor.leak()
             self._log({"headroom/leak_bytes_per_step": self.verdict["bytes_per_step"],
-                       "headroom/leak_detected": bool(self.verdict["detected"])})
+                       "headroom/leak_detected": bool(self.verdict["detected"])}, control)
             lines = [f"headroom: {'leak' if self.verdict['detected'] else 'no leak'}: {self.verdict['reason']}"]
             lines += [f"  {site['description']}" for site in self.verdict["sites"][:10]]
             (_log.warning if self.verdict["detected"] else _log.info)("\n".join(lines))
