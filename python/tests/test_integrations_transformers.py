@@ -4,6 +4,7 @@ the same steps written by hand; a leak in the user's compute_loss is found, and 
 that made the tensors it keeps."""
 import gc
 import logging
+import re
 
 import headroom
 import pytest
@@ -180,10 +181,33 @@ def test_the_guard_absorbs_an_oom_at_the_same_effective_batch(tmp_path, caplog):
     assert tight["losses"] == pytest.approx(free["losses"], rel=1e-4)
 
 
-def test_without_the_guard_the_same_budget_ends_the_run(tmp_path):
+def test_without_the_guard_the_run_ends_with_a_plan_that_fits(tmp_path, caplog):
+    """The same budget without the guard ends the run; the error names the step and phase and gives
+    a plan for the same effective batch as TrainingArguments fields, which fits that budget: the
+    Trainer, given them, runs its three steps under it."""
     free = guarded_run(tmp_path, guard=False)
-    with pytest.raises(torch.OutOfMemoryError):
-        guarded_run(tmp_path, budget=free["peak"] - 1, guard=False)
+    budget = free["peak"] - 1
+    with caplog.at_level(logging.ERROR, logger="headroom"), pytest.raises(torch.OutOfMemoryError):
+        guarded_run(tmp_path, budget=budget, guard=False)
+    text = caplog.text
+    assert "ran out of memory in" in text and "with micro-batch 8 x 1 accumulated" in text
+    assert "the last step that ran: peak" in text
+    fields = re.search(r"TrainingArguments\((.*)\)", text)
+    assert fields, text
+    settings = eval(f"dict({fields.group(1)})")
+    assert settings["per_device_train_batch_size"] * settings["gradient_accumulation_steps"] == 8
+    settings = {k: v for k, v in settings.items() if k not in ("bf16", "fp16", "optim")}
+    callback = HeadroomCallback(leak=False)
+    trainer = transformers.Trainer(
+        model=gpt2_without_dropout(),
+        args=arguments(tmp_path, max_steps=3, logging_steps=1, **settings),
+        train_dataset=rows(24, seq=128), callbacks=[callback])
+    headroom.cpu_budget(budget)
+    try:
+        trainer.train()
+    finally:
+        headroom.cpu_budget(None)
+    assert len(logged(trainer)) == 3
 
 
 def test_bad_settings_are_refused_in_one_line():

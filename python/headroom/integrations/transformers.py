@@ -42,10 +42,17 @@ accumulation steps instead is weighted by the part's share of the rows. A failur
 update, or with one row, ends the run as it would have. Dropout draws other masks for the halves
 than for the whole.
 
+An out-of-memory error in a micro-batch that it does not absorb (``guard=False``, or one row
+already) ends the run as it would have, after an error on the ``headroom`` logger: the step, the
+phase and the micro-batch it failed in, the last complete step's peak by category, and a plan that
+fits the device (cuda: the card's memory; cpu: the :func:`headroom.cpu_budget`) for the same
+effective batch, written as ``TrainingArguments`` fields (:func:`headroom.plan` on the model's
+config; a model headroom cannot plan is said so).
+
 What of the Trainer this touches beyond the ``TrainerCallback`` interface: the Trainer object
 itself, found on the call stack when an event first reaches the callback (a callback is not given
-it), for ``Trainer.log``; and with ``guard=True``, ``Trainer.training_step`` (wrapped on the
-instance for the run) with the attributes that decide its loss scaling,
+it), for ``Trainer.log``; and ``Trainer.training_step`` (wrapped on the instance for the run, to
+see its out-of-memory errors) with, under ``guard=True``, the attributes that decide its loss scaling,
 ``current_gradient_accumulation_steps``, ``loss_is_scaled_for_ga``, ``model_accepts_loss_kwargs``
 and ``compute_loss_func``. Tested with transformers 5.24.
 """
@@ -58,7 +65,7 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .. import _core
+from .. import _core, format_bytes
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
 from ._metrics import step_metrics
@@ -80,6 +87,47 @@ def _find_trainer() -> Optional[Trainer]:
         return None
     finally:
         del frame
+
+
+_OPTIM = {"sgd": "sgd", "adagrad": "adagrad", "adafactor": "adafactor", "adamw_bnb_8bit": "adamw8bit",
+          "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
+
+
+def _plan_line(model, inputs, args) -> str:
+    """A plan that fits this device for the Trainer's effective batch, as TrainingArguments fields;
+    or why there is none."""
+    from ..predict import plan
+
+    try:
+        if torch.cuda.is_available() and next(model.parameters()).is_cuda:
+            device = next(model.parameters()).device
+            budget = torch.cuda.get_device_properties(device).total_memory
+            where = "cuda"
+        else:
+            budget = _core.cpu_budget()
+            where = "cpu"
+            if budget is None:
+                return "no plan: no headroom.cpu_budget is set, so the cpu has no size to plan for"
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        seq = int(ids.shape[-1]) if ids is not None else 128
+        precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else (
+            "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32")
+        optim = str(getattr(args.optim, "value", args.optim))
+        result = plan(model.config.to_dict(), global_batch=args.per_device_train_batch_size *
+                      args.gradient_accumulation_steps, budget=budget, seq=seq, precision=precision,
+                      optimizer=_OPTIM.get(optim, "adamw"), device=where)
+    except Exception as e:  # noqa: BLE001 - a model headroom cannot plan: say so, keep the OOM's own error
+        return f"no plan: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    best = result.best
+    if best is None:
+        return f"no plan fits {format_bytes(budget)} for {args.per_device_train_batch_size * args.gradient_accumulation_steps} sequences of {seq} tokens a step"
+    settings = best.training_arguments()
+    fields = ", ".join(f"{k}={v!r}" for k, v in settings["training_arguments"].items())
+    text = (f"a plan that fits {format_bytes(budget)} (predicted peak {format_bytes(best['predicted_peak_bytes'])}): "
+            f"TrainingArguments({fields})")
+    for note in settings["notes"]:
+        text += f"\n    note: {note}"
+    return text
 
 
 class HeadroomCallback(TrainerCallback):
@@ -164,17 +212,38 @@ class HeadroomCallback(TrainerCallback):
             trainer.current_gradient_accumulation_steps = steps
         return total
 
-    def _recover(self, model, rows: int, failure: str, state) -> None:
+    def _advice(self, model, inputs, failure: str, state) -> str:
+        """What an out-of-memory error that ends the run says: where it happened, the last step's
+        peak by category, and a plan that fits, as TrainingArguments fields."""
+        args = self._trainer.args
+        rows = _rows(inputs)
+        micro = min(self.micro_batch or rows, rows)
+        lines = [f"headroom: step {state.global_step + 1} ran out of memory in {self._phase or 'the step'} with "
+                 f"micro-batch {micro} x {args.gradient_accumulation_steps} accumulated: {failure}"]
+        if self.steps:
+            m = step_metrics(self.steps[-1])
+            lines.append(
+                "  the last step that ran: peak {} = weights {} + gradients {} + optimizer state {} + activations {} "
+                "(+ other)".format(*(format_bytes(m[f"headroom/{k}"]) for k in
+                                     ("peak_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
+                                      "activations_bytes"))))
+        lines.append("  " + _plan_line(model, inputs, args))
+        return "\n".join(lines)
+
+    def _recover(self, model, inputs, failure: str, state) -> None:
         """After an OOM in a micro-batch: the step starts again with smaller parts, or the run ends."""
+        rows = _rows(inputs)
+        micro = min(self.micro_batch or rows, rows)
+        action, smaller = _core.after_step_oom(micro, False, self.guard)
+        if action == "give_up":
+            _log.error(self._advice(model, inputs, failure, state))
+            raise torch.OutOfMemoryError(
+                f"step {state.global_step + 1}: out of memory with micro-batch {micro}"
+                + ("; micro-batch 1 does not fit either" if self.guard else " (HeadroomCallback(guard=False))")
+                + f": {failure}")
         model.zero_grad(set_to_none=True)
         self._phase = None  # abort_step closes the phase in flight
         self.monitor.abort_step()
-        micro = min(self.micro_batch or rows, rows)
-        action, smaller = _core.after_step_oom(micro, False, True)
-        if action == "give_up":
-            raise torch.OutOfMemoryError(
-                f"step {state.global_step + 1}: out of memory with micro-batch {micro}; micro-batch 1 does not fit "
-                f"either: {failure}")
         _log.warning("headroom: step %d: out of memory with micro-batch %d; running the step again as %d x %d",
                      state.global_step + 1, micro, smaller, _core.accumulation_for(rows, smaller))
         self.micro_batch = smaller
@@ -194,7 +263,7 @@ class HeadroomCallback(TrainerCallback):
                 failure = str(e).splitlines()[0] if str(e) else "out of memory"
             # Out of the except block: the traceback, and the activations its frames held, are gone.
             while True:
-                self._recover(model, _rows(inputs), failure, state)
+                self._recover(model, inputs, failure, state)
                 try:
                     loss = None
                     for earlier, items in self._step_inputs:  # the step's micro-batches so far, again
@@ -227,10 +296,9 @@ class HeadroomCallback(TrainerCallback):
 
         self._hooks = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
         self.recoveries = 0
-        if self.guard:
-            if self._trainer is None:
-                raise RuntimeError("HeadroomCallback(guard=True): no transformers Trainer on the call stack to guard")
-            self._install_guard(state)
+        if self._trainer is None:
+            raise RuntimeError("HeadroomCallback: no transformers Trainer on the call stack to watch")
+        self._install_guard(state)  # guard=False: it only explains an out-of-memory error
         self._enter("data")
 
     def on_step_begin(self, args, state, control, **kwargs):
