@@ -72,7 +72,9 @@ def logged(trainer):
 
 def test_the_trainer_logs_what_a_monitor_measures_by_hand(tmp_path, caplog):
     data = rows(STEPS * BATCH * ACCUM)
-    # By hand first, and gone before the Trainer's run: the counts are the whole process's.
+    # By hand first, and gone before the Trainer's run: the counts are the whole process's (and what
+    # earlier tests left to the cycle collector goes before either).
+    gc.collect()
     expected = [step_metrics(r) for r in by_hand(tmp_path, data)]
     gc.collect()
     callback = HeadroomCallback()
@@ -170,6 +172,7 @@ def test_the_guard_absorbs_an_oom_at_the_same_effective_batch(tmp_path, caplog):
     """Under a cpu budget one byte below the unconstrained run's peak, micro-batches of 8 run out of
     memory; the guard splits them and the run finishes with every step's loss within 1e-4 of the
     unconstrained run's, the Trainer's schedule untouched (same steps, same learning rates)."""
+    gc.collect()
     free = guarded_run(tmp_path)
     assert free["callback_recoveries"] == 0 and len(free["losses"]) == 3
     with caplog.at_level(logging.WARNING, logger="headroom"):
@@ -185,6 +188,7 @@ def test_without_the_guard_the_run_ends_with_a_plan_that_fits(tmp_path, caplog):
     """The same budget without the guard ends the run; the error names the step and phase and gives
     a plan for the same effective batch as TrainingArguments fields, which fits that budget: the
     Trainer, given them, runs its three steps under it."""
+    gc.collect()
     free = guarded_run(tmp_path, guard=False)
     budget = free["peak"] - 1
     with caplog.at_level(logging.ERROR, logger="headroom"), pytest.raises(torch.OutOfMemoryError):

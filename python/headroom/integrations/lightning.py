@@ -29,19 +29,15 @@ lightning 2.6.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Dict, Optional
 
 import lightning
 
 from ..guard import _rows
 from ..monitor import Monitor
-from ._metrics import step_metrics
+from ._common import PhaseMarks, report_leak, step_metrics
 
 __all__ = ["HeadroomCallback"]
-
-_log = logging.getLogger("headroom")
-
 
 class HeadroomCallback(lightning.Callback):
     """``lightning.Trainer(callbacks=[HeadroomCallback()])``: headroom's per-step memory figures in
@@ -63,67 +59,57 @@ class HeadroomCallback(lightning.Callback):
         self.monitor: Optional[Monitor] = None
         self.steps: list = []
         self.verdict: Optional[Dict[str, Any]] = None
-        self._phase: Optional[str] = None
+        self._marks: Optional[PhaseMarks] = None
         self._stepped = False
-
-    def _enter(self, name: str) -> None:
-        self._exit()
-        self.monitor._core.enter(name)
-        self._phase = name
-
-    def _exit(self) -> None:
-        if self._phase is not None:
-            self.monitor._core.exit()
-            self._phase = None
 
     def on_train_start(self, trainer, pl_module):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, if any
         self.monitor = Monitor(pl_module.device, model=pl_module, optimizer=optimizer, python_frames=self.leak)
+        self._marks = PhaseMarks(self.monitor)
         self.steps = []
         self.verdict = None
-        self._enter("data")
+        self._marks.enter("data")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._stepped = False
-        self._enter("forward")
+        self._marks.enter("forward")
 
     def on_before_zero_grad(self, trainer, pl_module, optimizer):
-        self._enter("zero_grad")
+        self._marks.enter("zero_grad")
 
     def on_before_backward(self, trainer, pl_module, loss):
-        self._enter("backward")
+        self._marks.enter("backward")
 
     def on_after_backward(self, trainer, pl_module):
-        self._exit()
+        self._marks.exit()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self._stepped = True
-        self._enter("optimizer")
+        self._marks.enter("optimizer")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._exit()
+        self._marks.exit()
         if self._stepped:
             record = self.monitor.end_step(batch=_rows(batch), accum=trainer.accumulate_grad_batches)
             self.steps.append(record)
             if trainer.global_step % self.every == 0:
                 for key, value in step_metrics(record).items():
                     pl_module.log(key, float(value), on_step=True, on_epoch=False, prog_bar=False, logger=True)
-        self._enter("data")
+        self._marks.enter("data")
 
     def on_train_end(self, trainer, pl_module):
-        self._exit()
         if self.monitor is None:
             return
+        self._marks.exit()
         if self.leak:
             self.verdict = self.monitor.leak()
             values = {"headroom/leak_bytes_per_step": float(self.verdict["bytes_per_step"]),
                       "headroom/leak_detected": float(bool(self.verdict["detected"]))}
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)
-            lines = [f"headroom: {'leak' if self.verdict['detected'] else 'no leak'}: {self.verdict['reason']}"]
-            lines += [f"  {site['description']}" for site in self.verdict["sites"][:10]]
-            (_log.warning if self.verdict["detected"] else _log.info)("\n".join(lines))
+            report_leak(self.verdict)
         self.monitor.close()
         self.monitor = None
+        self._marks = None
 

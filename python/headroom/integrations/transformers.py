@@ -68,7 +68,7 @@ from transformers import Trainer, TrainerCallback
 from .. import _core, format_bytes
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
-from ._metrics import step_metrics
+from ._common import PhaseMarks, report_leak, step_metrics
 
 __all__ = ["HeadroomCallback", "step_metrics"]
 
@@ -156,20 +156,9 @@ class HeadroomCallback(TrainerCallback):
         self.steps: list = []  # each step's Monitor record
         self.verdict: Optional[Dict[str, Any]] = None
         self._trainer: Optional[Trainer] = None
-        self._phase: Optional[str] = None
+        self._marks: Optional[PhaseMarks] = None
         self._in_step = False
         self._hooks: list = []
-
-    # Phases: at most one open at a time.
-    def _enter(self, name: str) -> None:
-        self._exit()
-        self.monitor._core.enter(name)
-        self._phase = name
-
-    def _exit(self) -> None:
-        if self._phase is not None:
-            self.monitor._core.exit()
-            self._phase = None
 
     def _log(self, values: Dict[str, Any], control) -> None:
         if self._trainer is None:
@@ -218,7 +207,7 @@ class HeadroomCallback(TrainerCallback):
         args = self._trainer.args
         rows = _rows(inputs)
         micro = min(self.micro_batch or rows, rows)
-        lines = [f"headroom: step {state.global_step + 1} ran out of memory in {self._phase or 'the step'} with "
+        lines = [f"headroom: step {state.global_step + 1} ran out of memory in {self._marks.current or 'the step'} with "
                  f"micro-batch {micro} x {args.gradient_accumulation_steps} accumulated: {failure}"]
         if self.steps:
             m = step_metrics(self.steps[-1])
@@ -242,8 +231,7 @@ class HeadroomCallback(TrainerCallback):
                 + ("; micro-batch 1 does not fit either" if self.guard else " (HeadroomCallback(guard=False))")
                 + f": {failure}")
         model.zero_grad(set_to_none=True)
-        self._phase = None  # abort_step closes the phase in flight
-        self.monitor.abort_step()
+        self._marks.abort_step()
         _log.warning("headroom: step %d: out of memory with micro-batch %d; running the step again as %d x %d",
                      state.global_step + 1, micro, smaller, _core.accumulation_for(rows, smaller))
         self.micro_batch = smaller
@@ -283,26 +271,27 @@ class HeadroomCallback(TrainerCallback):
         device = next(model.parameters()).device
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the real one
         self.monitor = Monitor(device, model=model, optimizer=optimizer, python_frames=self.leak)
+        self._marks = PhaseMarks(self.monitor)
         self.steps = []
         self.verdict = None
 
         def before_forward(module, args_):
             if self._in_step and module.training:
-                self._enter("forward")
+                self._marks.enter("forward")
 
         def after_forward(module, args_, output):
             if self._in_step and module.training:
-                self._enter("backward")
+                self._marks.enter("backward")
 
         self._hooks = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
         self.recoveries = 0
         if self._trainer is None:
             raise RuntimeError("HeadroomCallback: no transformers Trainer on the call stack to watch")
         self._install_guard(state)  # guard=False: it only explains an out-of-memory error
-        self._enter("data")
+        self._marks.enter("data")
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._exit()
+        self._marks.exit()
         self._in_step = True
         self._step_inputs = []
         self._step_recoveries = 0
@@ -310,17 +299,17 @@ class HeadroomCallback(TrainerCallback):
             self._rng = torch.get_rng_state()
 
     def on_substep_end(self, args, state, control, **kwargs):
-        self._exit()
+        self._marks.exit()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._in_step = False
-        self._enter("optimizer")
+        self._marks.enter("optimizer")
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self._enter("zero_grad")
+        self._marks.enter("zero_grad")
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._exit()
+        self._marks.exit()
         rows = args.per_device_train_batch_size
         micro = min(self.micro_batch or rows, rows)
         record = self.monitor.end_step(batch=micro,
@@ -331,10 +320,11 @@ class HeadroomCallback(TrainerCallback):
         self.steps.append(record)
         if state.global_step % self.every == 0:
             self._log(step_metrics(record), control)
-        self._enter("data")
+        self._marks.enter("data")
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._exit()
+        if self._marks is not None:
+            self._marks.exit()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -347,8 +337,7 @@ class HeadroomCallback(TrainerCallback):
             self.verdict = self.monitor.leak()
             self._log({"headroom/leak_bytes_per_step": self.verdict["bytes_per_step"],
                        "headroom/leak_detected": bool(self.verdict["detected"])}, control)
-            lines = [f"headroom: {'leak' if self.verdict['detected'] else 'no leak'}: {self.verdict['reason']}"]
-            lines += [f"  {site['description']}" for site in self.verdict["sites"][:10]]
-            (_log.warning if self.verdict["detected"] else _log.info)("\n".join(lines))
+            report_leak(self.verdict)
         self.monitor.close()
         self.monitor = None
+        self._marks = None

@@ -1,0 +1,59 @@
+"""What the trainer callbacks share: the headroom/* values of a step, the phase marks on a Monitor,
+and the leak verdict's report."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional
+
+from ..monitor import Monitor
+
+_log = logging.getLogger("headroom")
+
+
+def step_metrics(record: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``headroom/*`` values of one step's :meth:`Monitor.end_step` record."""
+    phases = record.get("phases", {})
+    out: Dict[str, Any] = {
+        "headroom/peak_bytes": record["peak_bytes"],
+        "headroom/live_bytes": record["live_bytes"],
+    }
+    if "reserved_bytes" in record:
+        out["headroom/reserved_bytes"] = record["reserved_bytes"]
+    for phase in ("forward", "backward", "optimizer"):
+        out[f"headroom/{phase}_peak_bytes"] = phases.get(phase, {}).get("peak", 0)
+    at_peak = phases.get(record.get("peak_phase", ""), {}).get("breakdown", {})
+    for category in ("weights", "gradients", "optimizer", "activations"):
+        out[f"headroom/{category}_bytes"] = at_peak.get(category, 0)
+    out["headroom/oom_recoveries"] = record.get("oom_recoveries", 0)
+    return out
+
+
+class PhaseMarks:
+    """The phases of a Monitor's step as a trainer's events mark them: at most one open at a time,
+    each entered closing the one before."""
+
+    def __init__(self, monitor: Monitor):
+        self.monitor = monitor
+        self.current: Optional[str] = None
+
+    def enter(self, name: str) -> None:
+        self.exit()
+        self.monitor._core.enter(name)
+        self.current = name
+
+    def exit(self) -> None:
+        if self.current is not None:
+            self.monitor._core.exit()
+            self.current = None
+
+    def abort_step(self) -> None:
+        """The step in flight is dropped (it runs again), with the phase open in it."""
+        self.current = None
+        self.monitor.abort_step()
+
+
+def report_leak(verdict: Dict[str, Any]) -> None:
+    """The verdict and its first sites on the ``headroom`` logger: a warning when a leak is found."""
+    lines = [f"headroom: {'leak' if verdict['detected'] else 'no leak'}: {verdict['reason']}"]
+    lines += [f"  {site['description']}" for site in verdict["sites"][:10]]
+    (_log.warning if verdict["detected"] else _log.info)("\n".join(lines))
