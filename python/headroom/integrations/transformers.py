@@ -226,6 +226,9 @@ class HeadroomCallback(TrainerCallback):
         action, smaller = _core.after_step_oom(micro, False, self.guard)
         if action == "give_up":
             _log.error(self._advice(model, inputs, failure, state))
+            self._detach()  # the run ends here: the Trainer and the model are left as they were given
+            self.monitor.close()
+            self.monitor, self._marks = None, None
             raise torch.OutOfMemoryError(
                 f"step {state.global_step + 1}: out of memory with micro-batch {micro}"
                 + ("; micro-batch 1 does not fit either" if self.guard else " (HeadroomCallback(guard=False))")
@@ -322,15 +325,20 @@ class HeadroomCallback(TrainerCallback):
             self._log(step_metrics(record), control)
         self._marks.enter("data")
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def _detach(self) -> None:
+        """The hooks and the wrapped training_step removed from the model and the Trainer."""
         if self._marks is not None:
             self._marks.exit()
         for h in self._hooks:
             h.remove()
         self._hooks = []
         if self._original_step is not None:
-            del self._trainer.training_step  # the class's own again
+            self._trainer.__dict__.pop("training_step", None)  # the class's own again
             self._original_step = None
+        self._in_step = False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._detach()
         if self.monitor is None:
             return
         if self.leak:
