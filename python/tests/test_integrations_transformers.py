@@ -142,15 +142,15 @@ def gpt2_without_dropout():
     return model
 
 
-def guarded_run(tmp_path, budget=None, guard=True):
-    """Three steps of 8 x 128 tokens, where the step's peak is the head's backward, over the logits
-    and their gradient (at fewer tokens it is the end of backward, where the tied embedding's two
-    gradients are summed: halving the batch does not lower that)."""
+def guarded_run(tmp_path, budget=None, guard=True, **settings):
+    """Three steps of 8 x 128 tokens (unless `settings` say otherwise), where the step's peak is the
+    head's backward, over the logits and their gradient (at fewer tokens it is the end of backward,
+    where the tied embedding's two gradients are summed: halving the batch does not lower that)."""
     callback = HeadroomCallback(guard=guard, leak=False)
+    settings = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, **settings}
     trainer = transformers.Trainer(
         model=gpt2_without_dropout(),
-        args=arguments(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=3,
-                       logging_steps=1),
+        args=arguments(tmp_path, max_steps=3, logging_steps=1, **settings),
         train_dataset=rows(24, seq=128), callbacks=[callback])
     headroom.cpu_budget(budget)
     try:
@@ -201,17 +201,8 @@ def test_without_the_guard_the_run_ends_with_a_plan_that_fits(tmp_path, caplog):
     settings = eval(f"dict({fields.group(1)})")
     assert settings["per_device_train_batch_size"] * settings["gradient_accumulation_steps"] == 8
     settings = {k: v for k, v in settings.items() if k not in ("bf16", "fp16", "optim")}
-    callback = HeadroomCallback(leak=False)
-    trainer = transformers.Trainer(
-        model=gpt2_without_dropout(),
-        args=arguments(tmp_path, max_steps=3, logging_steps=1, **settings),
-        train_dataset=rows(24, seq=128), callbacks=[callback])
-    headroom.cpu_budget(budget)
-    try:
-        trainer.train()
-    finally:
-        headroom.cpu_budget(None)
-    assert len(logged(trainer)) == 3
+    planned = guarded_run(tmp_path, budget=budget, guard=False, **settings)
+    assert len(planned["losses"]) == 3 and planned["peak"] <= budget
 
 
 def test_bad_settings_are_refused_in_one_line():
