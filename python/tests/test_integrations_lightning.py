@@ -3,6 +3,7 @@ two layers) on the cpu: the headroom/* values every logger receives are a plain 
 over the same steps written by hand in Lightning's order; the leak verdict reaches the loggers."""
 import gc
 import logging
+import re
 
 import headroom
 import lightning
@@ -122,8 +123,112 @@ def test_the_loggers_receive_what_a_monitor_measures_by_hand(tmp_path, caplog):
     assert "headroom: no leak" in caplog.text
 
 
+class Losses(lightning.Callback):
+    """The loss Lightning hands on for each micro-batch (what its loggers and progress bar show)."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+class Undropped(Module):
+    def __init__(self):
+        super().__init__()
+        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_positions=128))
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0  # the halves would draw other masks than the whole
+
+
+def guarded_run(tmp_path, budget=None, guard=True, batch=8, accumulate=1, precision="32-true"):
+    """Three updates of 8 x 128 tokens (unless told otherwise): GPT-2's width and vocabulary, two
+    layers; the step's peak is the head's backward, over the logits and their gradient."""
+    gc.collect()  # a run that failed before is held by its traceback's frames until collected
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 50257, (24, 128), generator=g)
+    torch.manual_seed(0)
+    module = Undropped()
+    callback, losses, recorder = HeadroomCallback(guard=guard, leak=False), Losses(), Recorder()
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulate,
+                                precision=precision, callbacks=[callback, losses], logger=recorder,
+                                log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path))
+    headroom.cpu_budget(budget)
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=batch))
+    finally:
+        headroom.cpu_budget(None)
+    logged = [m for _, m in recorder.calls if "headroom/peak_bytes" in m]
+    # The peak exact from the callback's records (the loggers have float32's 24 bits).
+    out = dict(losses=losses.losses, peak=max(r["peak_bytes"] for r in callback.steps),
+               recoveries=[int(m["headroom/oom_recoveries"]) for m in logged], callback_recoveries=callback.recoveries,
+               micro_batch=callback.micro_batch, weights=tmp_path / f"weights-{len(list(tmp_path.glob('weights-*')))}.pt",
+               restored="training_step" not in module.__dict__ and "optimizer_zero_grad" not in module.__dict__)
+    # On disk, not held: the next run's live bytes start where this one's did.
+    torch.save([p.detach() for p in module.parameters()], out["weights"])
+    del trainer, callback, module, losses, recorder
+    gc.collect()
+    return out
+
+
+def weights(run):
+    return torch.load(run["weights"])
+
+
+def test_the_guard_absorbs_an_oom_at_the_same_effective_batch(tmp_path, caplog):
+    """Under a cpu budget one byte below the unconstrained guarded run's peak, micro-batches of 8 run
+    out of memory; the guard splits them and the run finishes with every micro-batch's loss within
+    1e-4 of the unconstrained run's, and the same weights within a tenth of one AdamW update."""
+    gc.collect()
+    free = guarded_run(tmp_path)
+    assert free["callback_recoveries"] == 0 and len(free["losses"]) == 3 and free["restored"]
+    with caplog.at_level(logging.WARNING, logger="headroom"):
+        tight = guarded_run(tmp_path, budget=free["peak"] - 1)
+    assert tight["callback_recoveries"] >= 1 and sum(tight["recoveries"]) == tight["callback_recoveries"]
+    assert tight["micro_batch"] < 8 and tight["peak"] < free["peak"] and tight["restored"]
+    assert "out of memory with micro-batch 8; running the step again as 4 x 2" in caplog.text
+    assert tight["losses"] == pytest.approx(free["losses"], rel=1e-4)
+    # AdamW moves a weight by up to lr (1e-4) a step, whatever its gradient's size: where a gradient
+    # is near zero, the parts' rounding shows in the update. Within a tenth of one update.
+    for a, b in zip(weights(tight), weights(free)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_the_guard_keeps_accumulation_and_the_unguarded_run_when_nothing_fails(tmp_path):
+    """With accumulation (4 x 2) and no budget, the guarded run (its own backward, zero_grad moved
+    before the first micro-batch's forward) trains exactly as Lightning alone does."""
+    gc.collect()
+    plain = guarded_run(tmp_path, guard=False, batch=4, accumulate=2)
+    guarded = guarded_run(tmp_path, guard=True, batch=4, accumulate=2)
+    assert guarded["losses"] == plain["losses"] and len(plain["losses"]) == 6
+    for a, b in zip(weights(guarded), weights(plain)):
+        assert torch.equal(a, b)
+
+
+def test_without_the_guard_the_run_ends_with_a_plan_that_fits(tmp_path, caplog):
+    """The same budget without the guard ends the run; the error names the step and phase and gives
+    a plan for the same effective batch as Lightning settings, which fits that budget: the Trainer,
+    given them, runs its three updates under it."""
+    gc.collect()
+    free = guarded_run(tmp_path, guard=False)
+    budget = free["peak"] - 1
+    with caplog.at_level(logging.ERROR, logger="headroom"), pytest.raises(torch.OutOfMemoryError):
+        guarded_run(tmp_path, budget=budget, guard=False)
+    text = caplog.text
+    assert "ran out of memory in" in text and "with micro-batch 8 x 1 accumulated" in text
+    assert "the last step that ran: peak" in text
+    found = re.search(r"lightning\.Trainer\((.*)\); module: (.*)", text)
+    assert found, text
+    trainer_args, module_args = eval(f"dict({found.group(1)})"), eval(f"dict({found.group(2)})")
+    assert module_args["batch_size"] * trainer_args["accumulate_grad_batches"] == 8
+    assert not module_args["gradient_checkpointing"]  # the module here has no switch for it
+    planned = guarded_run(tmp_path, budget=budget, guard=False, batch=module_args["batch_size"],
+                          accumulate=trainer_args["accumulate_grad_batches"], precision=trainer_args["precision"])
+    assert len(planned["losses"]) == 3 * trainer_args["accumulate_grad_batches"] and planned["peak"] <= budget
+
+
 def test_bad_settings_are_refused_in_one_line():
     with pytest.raises(ValueError, match="every=0: accepted"):
         HeadroomCallback(every=0)
-    with pytest.raises(NotImplementedError, match="guard=True"):
-        HeadroomCallback(guard=True)

@@ -1,10 +1,13 @@
 """What the trainer callbacks share: the headroom/* values of a step, the phase marks on a Monitor,
-and the leak verdict's report."""
+the leak verdict's report, and the plan an out-of-memory error is answered with."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
+import torch
+
+from .. import _core, format_bytes
 from ..monitor import Monitor
 
 _log = logging.getLogger("headroom")
@@ -57,3 +60,33 @@ def report_leak(verdict: Dict[str, Any]) -> None:
     lines = [f"headroom: {'leak' if verdict['detected'] else 'no leak'}: {verdict['reason']}"]
     lines += [f"  {site['description']}" for site in verdict["sites"][:10]]
     (_log.warning if verdict["detected"] else _log.info)("\n".join(lines))
+
+
+def fitting_plan(model: torch.nn.Module, config: Any, *, global_batch: int, seq: int, precision: str,
+                 optimizer: str, render: Callable[[Any], str]) -> str:
+    """A line giving a plan that fits this device (cuda: the card's memory; cpu: the
+    :func:`headroom.cpu_budget`) for ``global_batch`` sequences of ``seq`` tokens a step, its settings
+    written by ``render(plan)``; or why there is none (no budget, a model headroom cannot plan)."""
+    from ..predict import plan
+
+    try:
+        if config is None or not hasattr(config, "to_dict"):
+            return "no plan: the model has no transformers config for headroom to plan from"
+        param = next(model.parameters())
+        if param.is_cuda:
+            budget = torch.cuda.get_device_properties(param.device).total_memory
+            where = "cuda"
+        else:
+            budget = _core.cpu_budget()
+            where = "cpu"
+            if budget is None:
+                return "no plan: no headroom.cpu_budget is set, so the cpu has no size to plan for"
+        result = plan(config.to_dict(), global_batch=global_batch, budget=budget, seq=seq, precision=precision,
+                      optimizer=optimizer, device=where)
+    except Exception as e:  # noqa: BLE001 - a model headroom cannot plan: say so, keep the OOM's own error
+        return f"no plan: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    best = result.best
+    if best is None:
+        return f"no plan fits {format_bytes(budget)} for {global_batch} sequences of {seq} tokens a step"
+    return (f"a plan that fits {format_bytes(budget)} (predicted peak {format_bytes(best['predicted_peak_bytes'])}): "
+            + render(best))

@@ -24,55 +24,251 @@ and transfer included). A step ends with the batch whose optimizer step ran.
 
 When training ends the leak verdict goes to every logger (``headroom/leak_bytes_per_step``,
 ``headroom/leak_detected``: ``pl_module.log`` is not allowed there) and to the ``headroom`` logger,
-with where the allocations that survived their step were made (cpu: the Python line). Tested with
+with where the allocations that survived their step were made (cpu: the Python line).
+
+``guard=True`` keeps the run alive at the same effective batch, by headroom's guard's rules
+(:mod:`headroom.guard`): ``training_step`` runs its own backward, and when a micro-batch's forward or
+backward runs out of memory, the update's gradients are dropped and its micro-batches so far run
+again, each split in halves (halved again while that fails, down to one row), every part's loss
+weighted by its share of the rows; the smaller micro-batch is kept for the later steps and
+``headroom/oom_recoveries`` counts the splits. The optimizer sees the same rows per update, the
+loss Lightning logs is the whole micro-batch's, and the schedule is unchanged. A failure in the
+optimizer's update, or with one row, ends the run as it would have. Dropout draws other masks for
+the halves than for the whole. It needs automatic optimization on one device.
+
+An out-of-memory error that ends the run (``guard=False``, or one row already) is explained on the
+``headroom`` logger: the step, the phase and the micro-batch it failed in, the last complete step's
+peak by category, and a plan that fits the device (cuda: the card's memory; cpu: the
+:func:`headroom.cpu_budget`) for the same effective batch, as ``lightning.Trainer`` arguments and
+the module's settings (:meth:`headroom.Plan.lightning_trainer_kwargs`, from the config of the
+transformers model the module holds; a module headroom cannot plan is said so).
+
+What of Lightning this touches beyond the ``Callback`` interface, under ``guard=True`` and for the
+run only: the module's ``training_step`` and ``optimizer_zero_grad``, wrapped on the instance (both
+public hooks a module may override; the zeroing Lightning does after the first micro-batch's
+``training_step`` runs before it instead), and ``trainer.precision_plugin.scaler`` (16-mixed's loss
+scaling) for the backward ``training_step`` runs. Lightning's own backward then runs on a detached
+copy of the loss, with its ``on_before_backward``/``on_after_backward`` hooks as before. Tested with
 lightning 2.6.
 """
 from __future__ import annotations
 
+import collections.abc
+import gc
+import logging
 from typing import Any, Dict, Optional
 
 import lightning
+import torch
 
-from ..guard import _rows
+from .. import _core, format_bytes
+from ..guard import _rows, _rows_of
 from ..monitor import Monitor
-from ._common import PhaseMarks, report_leak, step_metrics
+from ._common import PhaseMarks, fitting_plan, report_leak, step_metrics
 
 __all__ = ["HeadroomCallback"]
 
+_log = logging.getLogger("headroom")
+
+_PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16-mixed", "16-mixed": "fp16-mixed",
+              "bf16-true": "bf16", "16-true": "fp16"}
+_OPTIMIZER = {"SGD": "sgd", "Adagrad": "adagrad", "Adafactor": "adafactor"}
+
+
+def _transformers_config(module: torch.nn.Module) -> Any:
+    """The config of the first transformers model in ``module`` (``None`` when there is none)."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "to_dict") and hasattr(config, "model_type"):
+            return config
+    return None
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    return output.get("loss") if isinstance(output, collections.abc.Mapping) else output
+
+
 class HeadroomCallback(lightning.Callback):
     """``lightning.Trainer(callbacks=[HeadroomCallback()])``: headroom's per-step memory figures in
-    the Trainer's loggers, and the leak verdict at the end (see the module's documentation).
+    the Trainer's loggers, the leak verdict at the end and, with ``guard=True``, out-of-memory errors
+    in a micro-batch absorbed at the same effective batch (see the module's documentation).
 
     ``every``: log every this many optimizer steps (each step is measured). ``leak``: judge leaks
-    when training ends and record, on the cpu, the Python line of each allocation. ``guard``: keep
-    the run alive on out-of-memory — not built for Lightning yet; ``True`` is refused rather than
-    ignored.
+    when training ends and record, on the cpu, the Python line of each allocation.
     """
 
     def __init__(self, guard: bool = False, leak: bool = True, every: int = 1):
-        if guard:
-            raise NotImplementedError("lightning HeadroomCallback(guard=True): not built yet; accepted: guard=False")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every={every!r}: accepted: a whole number of optimizer steps, 1 or more")
         self.every = every
+        self.guard = bool(guard)
         self.leak = leak
+        self.micro_batch: Optional[int] = None  # rows a part, once the guard has split micro-batches
+        self.recoveries = 0  # over the run
         self.monitor: Optional[Monitor] = None
         self.steps: list = []
         self.verdict: Optional[Dict[str, Any]] = None
         self._marks: Optional[PhaseMarks] = None
         self._stepped = False
+        self._rows = 0  # the micro-batch in flight
+        self._module = None
+        self._trainer = None
+        self._optimizer = None
+        self._step_batches: list = []  # this update's micro-batches so far, to run again after an OOM
+        self._step_recoveries = 0
+        self._rng = None
+        self._zeroed: Optional[tuple] = None  # (epoch, batch_idx) whose zero_grad ran before its forward
 
+    # The guard: the module's training_step and optimizer_zero_grad, wrapped on the instance.
+    def _run(self, batch, batch_idx, rest, original):
+        """One micro-batch: forward and backward, in parts of ``micro_batch`` rows once the guard
+        has split; what Lightning gets back has the whole micro-batch's loss, detached."""
+        trainer, module = self._trainer, self._module
+        rows = _rows(batch)
+        micro = min(self.micro_batch or rows, rows)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        total, output = None, None
+        for i in range(_core.accumulation_for(rows, micro)):
+            part = batch if micro >= rows else _rows_of(batch, i * micro, min(rows, (i + 1) * micro))
+            self._marks.enter("forward")
+            output = original(part, batch_idx, *rest)
+            loss = _loss_of(output)
+            if loss is None:  # the step skipped, as the module asked
+                return output
+            share = _rows(part) / rows
+            self._marks.enter("backward")
+            scaled = loss * (share / trainer.accumulate_grad_batches)
+            module.backward(scaler.scale(scaled) if scaler is not None else scaled)
+            value = loss.detach() * share
+            total = value if total is None else total + value
+            del loss, scaled
+        self._marks.enter("forward")
+        leaf = total.detach().requires_grad_(True)  # Lightning's backward on it reaches no parameter
+        if isinstance(output, collections.abc.Mapping):
+            return {**output, "loss": leaf}
+        return leaf
+
+    def _recover(self, failure: str) -> None:
+        """After an OOM in a micro-batch: the update starts again with smaller parts, or the run ends."""
+        micro = min(self.micro_batch or self._rows, self._rows)
+        action, smaller = _core.after_step_oom(micro, False, self.guard)
+        if action == "give_up":
+            raise torch.OutOfMemoryError(
+                f"step {self._trainer.global_step + 1}: out of memory with micro-batch {micro}; micro-batch 1 "
+                f"does not fit either: {failure}")
+        self._optimizer.zero_grad(set_to_none=True)
+        self._module.zero_grad(set_to_none=True)
+        gc.collect()  # what the failed attempt left in reference cycles (its frames, its graph)
+        self._marks.abort_step()
+        _log.warning("headroom: step %d: out of memory with micro-batch %d; running the step again as %d x %d",
+                     self._trainer.global_step + 1, micro, smaller, _core.accumulation_for(self._rows, smaller))
+        self.micro_batch = smaller
+        self._step_recoveries += 1
+        torch.set_rng_state(self._rng)
+
+    def _install_guard(self, trainer, pl_module) -> None:
+        if not pl_module.automatic_optimization:
+            raise ValueError("HeadroomCallback(guard=True) with manual optimization: accepted: automatic "
+                             "optimization (the guard splits what training_step's loss is computed over)")
+        if trainer.world_size > 1:
+            raise ValueError(f"HeadroomCallback(guard=True) over {trainer.world_size} processes: accepted: one "
+                             "device (guard=False logs the figures under any strategy)")
+        original_step = pl_module.training_step
+        original_zero_grad = pl_module.optimizer_zero_grad
+
+        def optimizer_zero_grad(epoch, batch_idx, optimizer):
+            if self._zeroed != (epoch, batch_idx):
+                original_zero_grad(epoch, batch_idx, optimizer)
+
+        def training_step(batch, batch_idx, *rest):
+            if batch_idx % trainer.accumulate_grad_batches == 0:  # the update's first micro-batch
+                self._step_batches = []
+                self._rng = torch.get_rng_state()
+                self._marks.enter("zero_grad")
+                original_zero_grad(trainer.current_epoch, batch_idx, self._optimizer)  # before, not after, its backward
+                self._zeroed = (trainer.current_epoch, batch_idx)
+            self._step_batches.append((batch, batch_idx, rest))
+            try:
+                return self._run(batch, batch_idx, rest, original_step)
+            except torch.OutOfMemoryError as e:
+                failure = str(e).splitlines()[0] if str(e) else "out of memory"
+            # Out of the except block: the traceback, and the activations its frames held, are gone.
+            while True:
+                self._recover(failure)
+                try:
+                    output = None
+                    for earlier, index, more in self._step_batches:  # the update's micro-batches, again
+                        output = self._run(earlier, index, more, original_step)
+                    return output  # Lightning has the earlier ones' losses already
+                except torch.OutOfMemoryError as e:
+                    failure = str(e).splitlines()[0] if str(e) else "out of memory"
+
+        pl_module.training_step = training_step
+        pl_module.optimizer_zero_grad = optimizer_zero_grad
+
+    def _detach(self) -> None:
+        """The wrapped hooks removed from the module: its own again."""
+        if self._module is not None:
+            self._module.__dict__.pop("training_step", None)
+            self._module.__dict__.pop("optimizer_zero_grad", None)
+
+    def _advice(self, failure: str) -> str:
+        """What an out-of-memory error that ends the run says: where it happened, the last step's
+        peak by category, and a plan that fits, as Lightning settings."""
+        trainer, module = self._trainer, self._module
+        micro = min(self.micro_batch or self._rows, self._rows)
+        accum = trainer.accumulate_grad_batches
+        lines = [f"headroom: step {trainer.global_step + 1} ran out of memory in {self._marks.current or 'the step'} "
+                 f"with micro-batch {micro} x {accum} accumulated: {failure}"]
+        if self.steps:
+            m = step_metrics(self.steps[-1])
+            lines.append(
+                "  the last step that ran: peak {} = weights {} + gradients {} + optimizer state {} + activations {} "
+                "(+ other)".format(*(format_bytes(m[f"headroom/{k}"]) for k in
+                                     ("peak_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
+                                      "activations_bytes"))))
+        batch = self._step_batches[-1][0] if self._step_batches else None
+        ids = batch.get("input_ids") if isinstance(batch, collections.abc.Mapping) else (
+            batch if isinstance(batch, torch.Tensor) and batch.dim() == 2 else None)
+
+        def settings(best) -> str:
+            kwargs = best.lightning_trainer_kwargs()
+            trainer_args = ", ".join(f"{k}={v!r}" for k, v in kwargs["trainer_kwargs"].items())
+            module_args = ", ".join(f"{k}={v!r}" for k, v in kwargs["module"].items() if k != "optimizer")
+            return f"lightning.Trainer({trainer_args}); module: {module_args}" + "".join(
+                f"\n    note: {note}" for note in kwargs["notes"])
+
+        optimizer = type(self._optimizer).__name__ if self._optimizer is not None else "AdamW"
+        lines.append("  " + fitting_plan(module, _transformers_config(module), global_batch=self._rows * accum,
+                                         seq=int(ids.shape[-1]) if ids is not None else 128,
+                                         precision=_PRECISION.get(str(trainer.precision), "fp32"),
+                                         optimizer=_OPTIMIZER.get(optimizer, "adamw"), render=settings))
+        return "\n".join(lines)
+
+    # Lightning's events.
     def on_train_start(self, trainer, pl_module):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, if any
+        self._trainer, self._module, self._optimizer = trainer, pl_module, optimizer
         self.monitor = Monitor(pl_module.device, model=pl_module, optimizer=optimizer, python_frames=self.leak)
         self._marks = PhaseMarks(self.monitor)
         self.steps = []
         self.verdict = None
+        self.recoveries = 0
+        self._step_batches = []
+        if self.guard:
+            self._install_guard(trainer, pl_module)
         self._marks.enter("data")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._stepped = False
+        self._rows = _rows(batch)
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._step_recoveries = 0
+            if not self.guard:
+                self._step_batches = []
+        if not self.guard:
+            self._step_batches.append((batch, batch_idx, ()))
         self._marks.enter("forward")
 
     def on_before_zero_grad(self, trainer, pl_module, optimizer):
@@ -91,12 +287,26 @@ class HeadroomCallback(lightning.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._marks.exit()
         if self._stepped:
-            record = self.monitor.end_step(batch=_rows(batch), accum=trainer.accumulate_grad_batches)
+            rows = _rows(batch)
+            micro = min(self.micro_batch or rows, rows)
+            record = self.monitor.end_step(batch=micro,
+                                           accum=trainer.accumulate_grad_batches * _core.accumulation_for(rows, micro),
+                                           oom_recoveries=self._step_recoveries)
+            self.recoveries += self._step_recoveries
+            self._step_recoveries = 0
             self.steps.append(record)
             if trainer.global_step % self.every == 0:
                 for key, value in step_metrics(record).items():
                     pl_module.log(key, float(value), on_step=True, on_epoch=False, prog_bar=False, logger=True)
         self._marks.enter("data")
+
+    def on_exception(self, trainer, pl_module, exception):
+        if self.monitor is None:
+            return
+        if isinstance(exception, torch.OutOfMemoryError):
+            failure = str(exception).splitlines()[0] if str(exception) else "out of memory"
+            _log.error(self._advice(failure))
+        self._end()
 
     def on_train_end(self, trainer, pl_module):
         if self.monitor is None:
@@ -109,7 +319,14 @@ class HeadroomCallback(lightning.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)
             report_leak(self.verdict)
+        self._end()
+
+    def _end(self) -> None:
+        """The module given back as it was, the Monitor closed."""
+        self._detach()
+        if self._marks is not None:
+            self._marks.exit()
         self.monitor.close()
         self.monitor = None
         self._marks = None
-
+        self._step_batches = []

@@ -68,7 +68,7 @@ from transformers import Trainer, TrainerCallback
 from .. import _core, format_bytes
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
-from ._common import PhaseMarks, report_leak, step_metrics
+from ._common import PhaseMarks, fitting_plan, report_leak, step_metrics
 
 __all__ = ["HeadroomCallback", "step_metrics"]
 
@@ -89,45 +89,27 @@ def _find_trainer() -> Optional[Trainer]:
         del frame
 
 
-_OPTIM = {"sgd": "sgd", "adagrad": "adagrad", "adafactor": "adafactor", "adamw_bnb_8bit": "adamw8bit",
-          "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
-
-
 def _plan_line(model, inputs, args) -> str:
     """A plan that fits this device for the Trainer's effective batch, as TrainingArguments fields;
     or why there is none."""
-    from ..predict import plan
+    ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+    precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else (
+        "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32")
 
-    try:
-        if torch.cuda.is_available() and next(model.parameters()).is_cuda:
-            device = next(model.parameters()).device
-            budget = torch.cuda.get_device_properties(device).total_memory
-            where = "cuda"
-        else:
-            budget = _core.cpu_budget()
-            where = "cpu"
-            if budget is None:
-                return "no plan: no headroom.cpu_budget is set, so the cpu has no size to plan for"
-        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
-        seq = int(ids.shape[-1]) if ids is not None else 128
-        precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else (
-            "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32")
-        optim = str(getattr(args.optim, "value", args.optim))
-        result = plan(model.config.to_dict(), global_batch=args.per_device_train_batch_size *
-                      args.gradient_accumulation_steps, budget=budget, seq=seq, precision=precision,
-                      optimizer=_OPTIM.get(optim, "adamw"), device=where)
-    except Exception as e:  # noqa: BLE001 - a model headroom cannot plan: say so, keep the OOM's own error
-        return f"no plan: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-    best = result.best
-    if best is None:
-        return f"no plan fits {format_bytes(budget)} for {args.per_device_train_batch_size * args.gradient_accumulation_steps} sequences of {seq} tokens a step"
-    settings = best.training_arguments()
-    fields = ", ".join(f"{k}={v!r}" for k, v in settings["training_arguments"].items())
-    text = (f"a plan that fits {format_bytes(budget)} (predicted peak {format_bytes(best['predicted_peak_bytes'])}): "
-            f"TrainingArguments({fields})")
-    for note in settings["notes"]:
-        text += f"\n    note: {note}"
-    return text
+    def fields(best) -> str:
+        settings = best.training_arguments()
+        text = "TrainingArguments({})".format(
+            ", ".join(f"{k}={v!r}" for k, v in settings["training_arguments"].items()))
+        return text + "".join(f"\n    note: {note}" for note in settings["notes"])
+
+    return fitting_plan(model, getattr(model, "config", None),
+                        global_batch=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                        seq=int(ids.shape[-1]) if ids is not None else 128, precision=precision,
+                        optimizer=_OPTIM.get(str(getattr(args.optim, "value", args.optim)), "adamw"), render=fields)
+
+
+_OPTIM = {"sgd": "sgd", "adagrad": "adagrad", "adafactor": "adafactor", "adamw_bnb_8bit": "adamw8bit",
+          "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
 
 
 class HeadroomCallback(TrainerCallback):
