@@ -229,6 +229,30 @@ def test_without_the_guard_the_run_ends_with_a_plan_that_fits(tmp_path, caplog):
     assert len(planned["losses"]) == 3 * trainer_args["accumulate_grad_batches"] and planned["peak"] <= budget
 
 
-def test_bad_settings_are_refused_in_one_line():
+class Manual(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, _):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.layer(batch).square().mean())
+        optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_bad_settings_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="every=0: accepted"):
         HeadroomCallback(every=0)
+    # The guard splits what an automatic step's loss is over: a manual loop is refused, not half-guarded.
+    module = Manual()
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, callbacks=[HeadroomCallback(guard=True)],
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"guard=True\) with manual optimization: accepted: automatic"):
+        trainer.fit(module, torch.utils.data.DataLoader(torch.ones(4, 4), batch_size=2))
+    assert "training_step" not in module.__dict__

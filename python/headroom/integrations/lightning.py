@@ -34,7 +34,8 @@ weighted by its share of the rows; the smaller micro-batch is kept for the later
 ``headroom/oom_recoveries`` counts the splits. The optimizer sees the same rows per update, the
 loss Lightning logs is the whole micro-batch's, and the schedule is unchanged. A failure in the
 optimizer's update, or with one row, ends the run as it would have. Dropout draws other masks for
-the halves than for the whole. It needs automatic optimization on one device.
+the halves than for the whole, and what ``training_step`` logs with ``self.log`` is the last part's.
+It needs automatic optimization on one device.
 
 An out-of-memory error that ends the run (``guard=False``, or one row already) is explained on the
 ``headroom`` logger: the step, the phase and the micro-batch it failed in, the last complete step's
