@@ -256,3 +256,36 @@ def test_bad_settings_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"guard=True\) with manual optimization: accepted: automatic"):
         trainer.fit(module, torch.utils.data.DataLoader(torch.ones(4, 4), batch_size=2))
     assert "training_step" not in module.__dict__
+
+
+class Plain(lightning.LightningModule):
+    """No transformers model inside: nothing for headroom to plan from."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1024, 1024)
+
+    def training_step(self, batch, _):
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def test_an_oom_in_a_module_headroom_cannot_plan_says_so(tmp_path, caplog):
+    """The run ends with the out-of-memory error as it was; the explanation says why there is no plan,
+    and the module is given back as it was (guard=True: its hooks unwrapped)."""
+    gc.collect()
+    module, data = Plain(), torch.ones(64, 1024)  # 4 MiB of weights, 4 MiB a micro-batch of rows
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=2, callbacks=[HeadroomCallback(guard=True, leak=False)],
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path))
+    headroom.cpu_budget(headroom._core.cpu_live_bytes() + 12 * 2**20)  # weights and gradients; not AdamW's state
+    try:
+        with caplog.at_level(logging.ERROR, logger="headroom"), pytest.raises(torch.OutOfMemoryError):
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
+    finally:
+        headroom.cpu_budget(None)
+    assert "ran out of memory in optimizer" in caplog.text
+    assert "no plan: the model has no transformers config for headroom to plan from" in caplog.text
+    assert "training_step" not in module.__dict__ and "optimizer_zero_grad" not in module.__dict__
