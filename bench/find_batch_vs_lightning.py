@@ -137,7 +137,7 @@ def search(name, finder, directory):
     out = dict(found=None if error else callback.optimal_batch_size, seconds=getattr(callback, "seconds", None),
                steps=len(rows), tried=runs(rows), error=error)
     if finder == "FindBatch":  # its trials are its log; a first update at batch 1 made the optimizer's state
-        out.update(tried=[t["batch"] for t in callback.log], warm_up=callback.steps - callback.trials,
+        out.update(tried=[t["batch"] for t in callback.search_log], warm_up=callback.steps - callback.trials,
                    seed=callback.seed)
     del trainer, callback, module
     gc.collect()

@@ -4,6 +4,7 @@ over the same steps written by hand in Lightning's order; the leak verdict reach
 import gc
 import logging
 import re
+import weakref
 
 import headroom
 import lightning
@@ -102,8 +103,15 @@ def test_the_loggers_receive_what_a_monitor_measures_by_hand(tmp_path, caplog):
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 default_root_dir=str(tmp_path))
     loader = torch.utils.data.DataLoader(tokens, batch_size=BATCH)
+    module = Module()
     with caplog.at_level(logging.INFO, logger="headroom"):
-        trainer.fit(Module(), loader)
+        trainer.fit(module, loader)
+    # The callback, kept for its verdict, does not keep the model alive (Lightning gave it the
+    # module's bound log methods).
+    module_ref = weakref.ref(module)
+    del trainer, module
+    gc.collect()
+    assert module_ref() is None
     logged = [m for _, m in recorder.calls if "headroom/peak_bytes" in m]
     assert len(logged) == STEPS
     exact = {"headroom/weights_bytes", "headroom/gradients_bytes", "headroom/optimizer_bytes",

@@ -166,8 +166,8 @@ def test_find_batch_finds_the_largest_that_fits_and_leaves_the_run_as_it_was(tmp
     with caplog.at_level(logging.INFO, logger="headroom"), headroom.cpu_budget(BUDGET):
         trainer.fit(module)
     found = find.optimal_batch_size
-    assert found is not None and 4 <= found <= 32, find.log
-    assert find.trials == len(find.log) >= 2
+    assert found is not None and 4 <= found <= 32, find.search_log
+    assert find.trials == len(find.search_log) >= 2
     assert find.steps == find.trials  # the optimizer held state already: no update before the trials
     assert find.seed.startswith("the estimate"), find.seed
     assert find.budget_bytes == headroom.parse_size(BUDGET)
@@ -182,7 +182,7 @@ def test_find_batch_finds_the_largest_that_fits_and_leaves_the_run_as_it_was(tmp
     assert any(f"batch_size={found} after {find.trials} trial steps" in m and "budget 340 MiB" in m
                for m in messages), messages
     assert not list(tmp_path.glob(".find_batch_*"))  # the saved state is gone
-    log = find.log
+    log = find.search_log
     # Lightning gives every callback the module's log and log_dict (bound methods): the callback too
     # keeps the module alive.
     del trainer, module, before, after, find
@@ -233,5 +233,5 @@ def test_find_batch_without_an_estimate_searches_unseeded_up_to_the_dataset(tmp_
     assert find.seed.startswith("none: the estimate failed"), find.seed
     assert "unseeded search: the estimate failed" in caplog.text
     assert find.optimal_batch_size == module.batch_size == 8
-    assert max(t["batch"] for t in find.log) == 8
+    assert max(t["batch"] for t in find.search_log) == 8
     assert find.steps == find.trials + 1  # SGD held no state: one update at batch 1 before the trials

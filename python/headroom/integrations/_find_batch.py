@@ -25,9 +25,10 @@ _data_source.is_module()`` (a loader passed straight to ``fit()`` cannot be re-s
 its loaders again, at the size found, when it starts. Unlike ``BatchSizeFinder`` it does not build
 them itself (``setup_data()``): building one draws from torch's random state, which the search has
 just put back, so the fit draws what it would have drawn without the callback. During the trials
-``self.log``/``self.log_dict`` do nothing (Lightning refuses them outside its loop). Lightning sets
-every callback's ``log`` to the module's ``log`` when a fit starts; the search's log takes its place
-on this one. Tested with lightning 2.6.
+``self.log``/``self.log_dict`` do nothing (Lightning refuses them outside its loop). Lightning gives
+every callback the module's ``log`` and ``log_dict`` when a fit starts (bound methods, which keep the
+module alive as long as the callback): this one lets them go when the fit ends. Tested with
+lightning 2.6.
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ class FindBatch(lightning.Callback):
 
     After the search: ``optimal_batch_size``, ``trials`` (the search's steps), ``steps`` (all the
     training steps it ran: the trials, and one update at batch 1 before them when the optimizer held
-    no state yet, so that every trial measures a step with it), ``log`` (each trial:
+    no state yet, so that every trial measures a step with it), ``search_log`` (each trial:
     ``{"batch", "fits", "peak_bytes"}``), ``seed`` (what seeded the search, or why nothing did) and
     ``budget_bytes``.
     """
@@ -136,7 +137,7 @@ class FindBatch(lightning.Callback):
         self.optimal_batch_size: Optional[int] = None
         self.trials = 0
         self.steps = 0
-        self.log: List[Dict[str, Any]] = []
+        self.search_log: List[Dict[str, Any]] = []
         self.seed = ""
 
     def setup(self, trainer, pl_module, stage: Optional[str] = None) -> None:
@@ -320,7 +321,7 @@ class FindBatch(lightning.Callback):
                     pl_module.__dict__[attr] = value
             self._restore(pl_module, optimizer, path, rng, cuda_rng, modes)
 
-        self.log = result["log"]
+        self.search_log = result["log"]
         self.trials = int(result["trials"])
         self.budget_bytes = int(budget)
         found = int(result["max_batch"])
@@ -379,3 +380,8 @@ class FindBatch(lightning.Callback):
                 torch.cuda.set_rng_state_all(cuda_rng)
             for m, training in modes.items():
                 m.training = training
+
+    def teardown(self, trainer, pl_module, stage: Optional[str] = None) -> None:
+        # Lightning's bound log and log_dict: the module is not kept alive by this callback.
+        self.__dict__.pop("log", None)
+        self.__dict__.pop("log_dict", None)

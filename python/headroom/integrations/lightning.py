@@ -66,8 +66,9 @@ from .. import _core, format_bytes
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
 from ._common import PhaseMarks, fitting_plan, report_leak, step_metrics
+from ._find_batch import FindBatch
 
-__all__ = ["HeadroomCallback"]
+__all__ = ["FindBatch", "HeadroomCallback"]
 
 _log = logging.getLogger("headroom")
 
@@ -323,8 +324,12 @@ class HeadroomCallback(lightning.Callback):
         self._end()
 
     def _end(self) -> None:
-        """The module given back as it was, the Monitor closed."""
+        """The module given back as it was, the Monitor closed; Lightning's bound ``log`` and
+        ``log_dict`` let go, so that this callback does not keep the module alive."""
         self._detach()
+        self.__dict__.pop("log", None)
+        self.__dict__.pop("log_dict", None)
+        self._module = self._trainer = self._optimizer = None
         if self._marks is not None:
             self._marks.exit()
         self.monitor.close()
