@@ -9,7 +9,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <string_view>
 
 #include "util/error.h"
@@ -67,6 +69,7 @@ std::optional<WorldEnv> world_from_environment() {
 struct Communicator::Backend {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> group;
+  bool gloo = true;
 };
 
 Communicator::Communicator(const WorldEnv& env_in, const c10::Device& device, std::chrono::milliseconds timeout)
@@ -88,6 +91,7 @@ Communicator::Communicator(const WorldEnv& env_in, const c10::Device& device, st
     fail("rank {}: cannot reach the rendezvous store at {}:{} within {} s: {}", env_.rank, env_.master_addr,
          env_.master_port, timeout.count() / 1000, what_of(e));
   }
+  backend_->gloo = !device.is_cuda();
   try {
     if (device.is_cuda()) {
 #ifdef HEADROOM_WITH_NCCL
@@ -130,6 +134,15 @@ void Communicator::run(const char* op, F&& start) {
   try {
     c10::intrusive_ptr<c10d::Work> work = start();
     work->wait(timeout_);
+    if (backend_->gloo) {
+      // Gloo's worker marks a collective done before it lets go of it, and with it of the buffers it
+      // holds (the tensors given, its own copies): they would outlive this call by a moment, long
+      // enough for the next collective's buffers to be allocated beside them on one rank and not on
+      // another (the first step's peak, two buckets high on rank 0 only). Wait, a bounded moment,
+      // until this is the last reference, so that a collective's memory is gone when it returns.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      while (work.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    }
   } catch (const c10::OutOfMemoryError& e) {
     // The collective's own buffers (Gloo's copies): whether the others are already inside it cannot be
     // told from here (Gloo takes the collective's tag before its worker allocates), so the ranks
