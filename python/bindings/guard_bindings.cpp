@@ -1,5 +1,6 @@
 // The guard's rules (train/guard_policy.h) and the batch-size search (train/batch_search.h), for
 // python/headroom/guard.py, which runs the user's step function under them.
+#include <fmt/format.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
@@ -25,7 +26,16 @@ void bind_guard(py::module_& m) {
       py::arg("micro"), py::arg("updating"), py::arg("guard_on"),
       "What the guard does after a step ran out of memory with `micro` rows per micro-batch: "
       "('halve', next micro) or ('give_up', micro).");
-  m.def("accumulation_for", &accumulation_for, py::arg("rows"), py::arg("micro"));
+  m.def(
+      "accumulation_for",
+      [](int64_t rows, int64_t micro) {
+        if (rows < 0 || micro < 1) {
+          throw py::value_error(fmt::format("accumulation_for(rows={}, micro={}): accepted: rows 0 or more, micro 1 or more",
+                                            rows, micro));
+        }
+        return accumulation_for(rows, micro);
+      },
+      py::arg("rows"), py::arg("micro"), "The micro-batches of `micro` rows that `rows` rows take.");
   m.def(
       "search_max_batch",
       [](const std::function<py::tuple(int64_t)>& trial, int64_t budget, int64_t limit,

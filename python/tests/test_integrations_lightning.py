@@ -297,3 +297,31 @@ def test_an_oom_in_a_module_headroom_cannot_plan_says_so(tmp_path, caplog):
     assert "ran out of memory in optimizer" in caplog.text
     assert "no plan: the model has no transformers config for headroom to plan from" in caplog.text
     assert "training_step" not in module.__dict__ and "optimizer_zero_grad" not in module.__dict__
+
+
+class Box:
+    """A batch type headroom cannot count the rows of."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class BoxedPlain(Plain):
+    def training_step(self, batch, _):
+        return self.layer(batch.x).square().mean()
+
+
+def test_a_batch_whose_rows_cannot_be_told_is_measured_and_refused_only_by_the_guard(tmp_path):
+    def fit(callback):
+        recorder = Recorder()
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=2, callbacks=[callback], logger=recorder,
+                                    log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, default_root_dir=str(tmp_path))
+        loader = torch.utils.data.DataLoader(torch.ones(8, 1024), batch_size=4, collate_fn=lambda xs: Box(torch.stack(xs)))
+        trainer.fit(BoxedPlain(), loader)
+        return [m for _, m in recorder.calls if "headroom/peak_bytes" in m]
+
+    logged = fit(HeadroomCallback(leak=False))
+    assert len(logged) == 2 and all(m["headroom/weights_bytes"] == 4 * (1024 * 1024 + 1024) for m in logged)
+    with pytest.raises(TypeError, match="batch of type Box: accepted: a tensor, or a mapping"):
+        fit(HeadroomCallback(guard=True, leak=False))

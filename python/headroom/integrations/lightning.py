@@ -247,6 +247,16 @@ class HeadroomCallback(lightning.Callback):
                                          optimizer=_OPTIMIZER.get(optimizer, "adamw"), render=settings))
         return "\n".join(lines)
 
+    def _rows_of(self, batch) -> int:
+        """The batch's rows; without the guard, 0 for a batch whose rows cannot be told (the figures
+        do not need them; only the split does)."""
+        try:
+            return _rows(batch)
+        except TypeError:
+            if self.guard:
+                raise
+            return 0
+
     # Lightning's events.
     def on_train_start(self, trainer, pl_module):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
@@ -264,7 +274,7 @@ class HeadroomCallback(lightning.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._stepped = False
-        self._rows = _rows(batch)
+        self._rows = self._rows_of(batch)
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self._step_recoveries = 0
             if not self.guard:
@@ -289,10 +299,10 @@ class HeadroomCallback(lightning.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._marks.exit()
         if self._stepped:
-            rows = _rows(batch)
+            rows = self._rows_of(batch)
             micro = min(self.micro_batch or rows, rows)
-            record = self.monitor.end_step(batch=micro,
-                                           accum=trainer.accumulate_grad_batches * _core.accumulation_for(rows, micro),
+            parts = _core.accumulation_for(rows, micro) if micro > 0 else 1  # 0: rows not known
+            record = self.monitor.end_step(batch=micro, accum=trainer.accumulate_grad_batches * parts,
                                            oom_recoveries=self._step_recoveries)
             self.recoveries += self._step_recoveries
             self._step_recoveries = 0
