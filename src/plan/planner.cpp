@@ -186,7 +186,17 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
       progress(fmt::format("calibrating step time on this machine ({} precision{}, 2 micro-batch sizes)",
                            untimed.size(), untimed.size() == 1 ? "" : "s"));
     }
-    if (auto calibrated = CostModel::calibrate(r.base, untimed, std::min<int64_t>(4, r.global_batch), timer)) {
+    // A line per timed run: on a cpu each can take a minute.
+    int started = 0;
+    const int runs = untimed.empty() ? 0 : static_cast<int>(untimed.size()) + 1;
+    const CostModel::StepTimer reporting = [&](Precision p, int64_t rows, int steps) {
+      if (progress) {
+        progress(fmt::format("  timing {} step{} at {}, micro-batch {} ({} of {})", steps, steps == 1 ? "" : "s",
+                             precision_name(p), rows, ++started, runs));
+      }
+      return timer(p, rows, steps);
+    };
+    if (auto calibrated = CostModel::calibrate(r.base, untimed, std::min<int64_t>(4, r.global_batch), reporting)) {
       cost = known_ratios.empty() ? *calibrated : CostModel::with_ratios(*calibrated, own, known_ratios);
     } else if (progress) {
       progress("calibration ran out of memory; ranking by FLOPs alone");
