@@ -62,6 +62,21 @@ def report_leak(verdict: Dict[str, Any]) -> None:
     (_log.warning if verdict["detected"] else _log.info)("\n".join(lines))
 
 
+def oom_lines(step: int, phase: Optional[str], micro: int, accum: int, failure: str, steps: list) -> list:
+    """The first lines of what an out-of-memory error that ends a run says: where it happened, and
+    the last complete step's peak by category."""
+    lines = [f"headroom: step {step} ran out of memory in {phase or 'the step'} with micro-batch {micro} x {accum} "
+             f"accumulated: {failure}"]
+    if steps:
+        m = step_metrics(steps[-1])
+        lines.append(
+            "  the last step that ran: peak {} = weights {} + gradients {} + optimizer state {} + activations {} "
+            "(+ other)".format(*(format_bytes(m[f"headroom/{k}"]) for k in
+                                 ("peak_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
+                                  "activations_bytes"))))
+    return lines
+
+
 def fitting_plan(model: torch.nn.Module, config: Any, *, global_batch: int, seq: int, precision: str,
                  optimizer: str, render: Callable[[Any], str]) -> str:
     """A line giving a plan that fits this device (cuda: the card's memory; cpu: the

@@ -62,10 +62,10 @@ from typing import Any, Dict, Optional
 import lightning
 import torch
 
-from .. import _core, format_bytes
+from .. import _core
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
-from ._common import PhaseMarks, fitting_plan, report_leak, step_metrics
+from ._common import PhaseMarks, fitting_plan, oom_lines, report_leak, step_metrics
 from ._find_batch import FindBatch
 
 __all__ = ["FindBatch", "HeadroomCallback"]
@@ -220,15 +220,7 @@ class HeadroomCallback(lightning.Callback):
         trainer, module = self._trainer, self._module
         micro = min(self.micro_batch or self._rows, self._rows)
         accum = trainer.accumulate_grad_batches
-        lines = [f"headroom: step {trainer.global_step + 1} ran out of memory in {self._marks.current or 'the step'} "
-                 f"with micro-batch {micro} x {accum} accumulated: {failure}"]
-        if self.steps:
-            m = step_metrics(self.steps[-1])
-            lines.append(
-                "  the last step that ran: peak {} = weights {} + gradients {} + optimizer state {} + activations {} "
-                "(+ other)".format(*(format_bytes(m[f"headroom/{k}"]) for k in
-                                     ("peak_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
-                                      "activations_bytes"))))
+        lines = oom_lines(trainer.global_step + 1, self._marks.current, micro, accum, failure, self.steps)
         batch = self._step_batches[-1][0] if self._step_batches else None
         ids = batch.get("input_ids") if isinstance(batch, collections.abc.Mapping) else (
             batch if isinstance(batch, torch.Tensor) and batch.dim() == 2 else None)

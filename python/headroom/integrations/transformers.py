@@ -65,10 +65,10 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .. import _core, format_bytes
+from .. import _core
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
-from ._common import PhaseMarks, fitting_plan, report_leak, step_metrics
+from ._common import PhaseMarks, fitting_plan, oom_lines, report_leak, step_metrics
 
 __all__ = ["HeadroomCallback", "step_metrics"]
 
@@ -189,15 +189,8 @@ class HeadroomCallback(TrainerCallback):
         args = self._trainer.args
         rows = _rows(inputs)
         micro = min(self.micro_batch or rows, rows)
-        lines = [f"headroom: step {state.global_step + 1} ran out of memory in {self._marks.current or 'the step'} with "
-                 f"micro-batch {micro} x {args.gradient_accumulation_steps} accumulated: {failure}"]
-        if self.steps:
-            m = step_metrics(self.steps[-1])
-            lines.append(
-                "  the last step that ran: peak {} = weights {} + gradients {} + optimizer state {} + activations {} "
-                "(+ other)".format(*(format_bytes(m[f"headroom/{k}"]) for k in
-                                     ("peak_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
-                                      "activations_bytes"))))
+        lines = oom_lines(state.global_step + 1, self._marks.current, micro, args.gradient_accumulation_steps,
+                          failure, self.steps)
         lines.append("  " + _plan_line(model, inputs, args))
         return "\n".join(lines)
 
