@@ -13,6 +13,36 @@ from ..monitor import Monitor
 _log = logging.getLogger("headroom")
 
 
+def checked_every(every: Any) -> int:
+    """The callbacks' ``every=``: a whole number of optimizer steps, 1 or more."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every={every!r}: accepted: a whole number of optimizer steps, 1 or more")
+    return every
+
+
+def transformers_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The first transformers model in ``module`` (itself included): one with a ``config`` that has
+    ``to_dict``; ``None`` when there is none."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            return sub
+    return None
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """headroom's name for ``optimizer``'s update, or None when it does not model that one."""
+    kind = type(optimizer).__name__
+    if kind == "SGD":
+        return "momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+    return {"AdamW": "adamw", "Adam": "adam", "Adagrad": "adagrad", "Adafactor": "adafactor"}.get(kind)
+
+
+# lightning.Trainer(precision=...) -> headroom's precision; the others it does not model.
+LIGHTNING_PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16",
+                        "16-mixed": "fp16-mixed"}
+
+
 def step_metrics(record: Dict[str, Any]) -> Dict[str, Any]:
     """The ``headroom/*`` values of one step's :meth:`Monitor.end_step` record."""
     phases = record.get("phases", {})

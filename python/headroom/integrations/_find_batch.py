@@ -45,12 +45,9 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 
 from .. import _core, format_bytes, parse_size
 from ..guard import _rows, find_max_batch
+from ._common import LIGHTNING_PRECISIONS, optimizer_name, transformers_model
 
 _log = logging.getLogger("headroom")
-
-# Trainer(precision=...) -> headroom.estimate(precision=...); others are searched unseeded.
-_PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16",
-               "16-mixed": "fp16-mixed"}
 
 
 class _ShortBatch(torch.OutOfMemoryError):
@@ -75,14 +72,6 @@ def _seq_of(batch: Any) -> Optional[int]:
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point() and not v.is_complex():
             return int(v.shape[-1])
     return None
-
-
-def _optimizer_name(optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """The estimate's name for ``optimizer``'s update, or None when it does not predict that one."""
-    kind = type(optimizer).__name__
-    if kind == "SGD":
-        return "momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
-    return {"AdamW": "adamw", "Adam": "adam", "Adagrad": "adagrad"}.get(kind)
 
 
 def _cloned(value: Any) -> Any:
@@ -195,17 +184,14 @@ class FindBatch(lightning.Callback):
     def _seeding(self, trainer, pl_module, optimizer, probe: Any, device: str) -> Dict[str, Any]:
         """find_max_batch's predict= from the estimate, or {} (with self.seed saying why not)."""
         config, settings = self.config, {}
-        if config is None:
-            for m in pl_module.modules():
-                c = getattr(m, "config", None)
-                if c is not None and hasattr(c, "to_dict"):
-                    config = c
-                    # Frozen parameters, by their Hugging Face names, as estimate's finetune="freeze:..." takes them.
-                    named = list(m.named_parameters())
-                    frozen = [name for name, p in named if not p.requires_grad]
-                    if frozen and len(frozen) < len(named):
-                        settings["finetune"] = "freeze:" + ",".join(frozen)
-                    break
+        model = transformers_model(pl_module) if config is None else None
+        if model is not None:
+            config = model.config
+            # Frozen parameters, by their Hugging Face names, as estimate's finetune="freeze:..." takes them.
+            named = list(model.named_parameters())
+            frozen = [name for name, p in named if not p.requires_grad]
+            if frozen and len(frozen) < len(named):
+                settings["finetune"] = "freeze:" + ",".join(frozen)
         if config is None:
             self.seed = "none: no transformers model in the module (config= names one)"
             return {}
@@ -214,11 +200,11 @@ class FindBatch(lightning.Callback):
             if getattr(config, "model_type", None):
                 d.setdefault("model_type", config.model_type)
             config = d
-        precision = _PRECISIONS.get(str(trainer.precision))
+        precision = LIGHTNING_PRECISIONS.get(str(trainer.precision))
         if precision is None:
             self.seed = f"none: the estimate has no precision {trainer.precision!r}"
             return {}
-        opt = _optimizer_name(optimizer) if optimizer is not None else "sgd"
+        opt = optimizer_name(optimizer) if optimizer is not None else "sgd"
         if opt is None:
             self.seed = f"none: the estimate does not predict {type(optimizer).__name__}'s update"
             return {}

@@ -65,26 +65,13 @@ import torch
 from .. import _core
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
-from ._common import PhaseMarks, fitting_plan, oom_lines, report_leak, step_metrics
+from ._common import (LIGHTNING_PRECISIONS, PhaseMarks, checked_every, fitting_plan, oom_lines, optimizer_name,
+                      report_leak, step_metrics, transformers_model)
 from ._find_batch import FindBatch
 
 __all__ = ["FindBatch", "HeadroomCallback"]
 
 _log = logging.getLogger("headroom")
-
-_PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16-mixed", "16-mixed": "fp16-mixed",
-              "bf16-true": "bf16", "16-true": "fp16"}
-_OPTIMIZER = {"SGD": "sgd", "Adagrad": "adagrad", "Adafactor": "adafactor"}
-
-
-def _transformers_config(module: torch.nn.Module) -> Any:
-    """The config of the first transformers model in ``module`` (``None`` when there is none)."""
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if config is not None and hasattr(config, "to_dict") and hasattr(config, "model_type"):
-            return config
-    return None
-
 
 def _loss_of(output: Any) -> Optional[torch.Tensor]:
     return output.get("loss") if isinstance(output, collections.abc.Mapping) else output
@@ -100,9 +87,7 @@ class HeadroomCallback(lightning.Callback):
     """
 
     def __init__(self, guard: bool = False, leak: bool = True, every: int = 1):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every={every!r}: accepted: a whole number of optimizer steps, 1 or more")
-        self.every = every
+        self.every = checked_every(every)
         self.guard = bool(guard)
         self.leak = leak
         self.micro_batch: Optional[int] = None  # rows a part, once the guard has split micro-batches
@@ -232,14 +217,16 @@ class HeadroomCallback(lightning.Callback):
             return f"lightning.Trainer({trainer_args}); module: {module_args}" + "".join(
                 f"\n    note: {note}" for note in kwargs["notes"])
 
-        optimizer = type(self._optimizer).__name__ if self._optimizer is not None else "AdamW"
-        lines.append("  " + fitting_plan(module, _transformers_config(module), global_batch=self._rows * accum,
+        optimizer = optimizer_name(self._optimizer) if self._optimizer is not None else None
+        model = transformers_model(module)
+        lines.append("  " + fitting_plan(module, model.config if model is not None else None,
+                                         global_batch=self._rows * accum,
                                          seq=int(ids.shape[-1]) if ids is not None else 128,
-                                         precision=_PRECISION.get(str(trainer.precision), "fp32"),
-                                         optimizer=_OPTIMIZER.get(optimizer, "adamw"), render=settings))
+                                         precision=LIGHTNING_PRECISIONS.get(str(trainer.precision), "fp32"),
+                                         optimizer=optimizer or "adamw", render=settings))
         return "\n".join(lines)
 
-    def _rows_of(self, batch) -> int:
+    def _count_rows(self, batch) -> int:
         """The batch's rows; without the guard, 0 for a batch whose rows cannot be told (the figures
         do not need them; only the split does)."""
         try:
@@ -266,7 +253,7 @@ class HeadroomCallback(lightning.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._stepped = False
-        self._rows = self._rows_of(batch)
+        self._rows = self._count_rows(batch)
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self._step_recoveries = 0
             if not self.guard:
@@ -291,7 +278,7 @@ class HeadroomCallback(lightning.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._marks.exit()
         if self._stepped:
-            rows = self._rows_of(batch)
+            rows = self._count_rows(batch)
             micro = min(self.micro_batch or rows, rows)
             parts = _core.accumulation_for(rows, micro) if micro > 0 else 1  # 0: rows not known
             record = self.monitor.end_step(batch=micro, accum=trainer.accumulate_grad_batches * parts,

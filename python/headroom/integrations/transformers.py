@@ -68,7 +68,7 @@ from transformers import Trainer, TrainerCallback
 from .. import _core
 from ..guard import _rows, _rows_of
 from ..monitor import Monitor
-from ._common import PhaseMarks, fitting_plan, oom_lines, report_leak, step_metrics
+from ._common import PhaseMarks, checked_every, fitting_plan, oom_lines, report_leak, step_metrics
 
 __all__ = ["HeadroomCallback", "step_metrics"]
 
@@ -123,9 +123,7 @@ class HeadroomCallback(TrainerCallback):
     """
 
     def __init__(self, guard: bool = False, leak: bool = True, every: int = 1):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every={every!r}: accepted: a whole number of optimizer steps, 1 or more")
-        self.every = every
+        self.every = checked_every(every)
         self.guard = bool(guard)
         self.leak = leak
         self.micro_batch: Optional[int] = None  # rows a part, once the guard has split micro-batches
