@@ -20,10 +20,12 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
                          "With a caching allocator (--device cuda, or --allocator caching on cpu) also predict\n"
                          "reserved memory, by replaying the step through PyTorch's allocator policy.\n"
                          "With --memory-budget, also say whether it fits (exit code 3 when it does not): with a\n"
-                         "caching allocator, by reserved memory under that cap.");
+                         "caching allocator, by reserved memory under that cap.\n"
+                         "With --pipeline P, each stage's peak (one rank each, 1F1B); the table is the largest's.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "batch", "accum", "seq", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "loss",
                                      "precision", "checkpointing", "optimizer", "optimizer-impl", "memory-budget",
-                                     "allocator", "allocator-conf", "world-size", "shard", "json", "quiet"});
+                                     "allocator", "allocator-conf", "world-size", "shard", "pipeline", "pipeline-split", "json",
+                                     "quiet"});
   cmd->callback([config, &run] {
     run = [config]() -> int {
       const RunConfig cfg = config();
@@ -56,7 +58,10 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
             spec.loss.chunked ? ", loss " + spec.loss.name() : "",
             spec.offload == Offload::none ? "" : fmt::format(", offload {}", offload_name(spec.offload)),
             spec.cuda ? "cuda" : "cpu",
-            spec.world > 1 ? fmt::format("; per rank (rank 0), --shard {}", shard_level_name(spec.shard)) : "",
+            spec.world > 1                ? fmt::format("; per rank (rank 0), --shard {}", shard_level_name(spec.shard))
+            : spec.pipeline.stages > 1 ? fmt::format("; {} pipeline stages, one rank each: the largest is stage {}",
+                                                     spec.pipeline.stages, e.stage)
+                                          : "",
             e.table());
         if (budget) {
           if (e.reserved && e.reserved->oom && e.peak_bytes <= *budget) {

@@ -68,6 +68,8 @@ const std::map<std::string, std::vector<std::string>>& samples() {
       {"offload", {"optimizer"}},
       {"loss", {"chunked:512"}},
       {"base-weights", {"nf4"}},
+      {"pipeline", {"2"}},
+      {"pipeline-split", {"0:1,1:2"}},
       {"world-size", {"2"}},
       {"dist-timeout", {"60"}},
       {"json", {"true"}},

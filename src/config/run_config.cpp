@@ -267,9 +267,20 @@ const std::vector<RunField>& run_fields() {
              "gradients (ZeRO-2: gradients too) or full (ZeRO-3: weights too, gathered a layer at a time); --batch "
              "is per rank, the global batch is batch x accum x ranks",
              &RunConfig::shard, &parse_shard_level, &shard_level_name),
+      {"pipeline", Kind::integer,
+       "under torchrun: cut the layers into P pipeline stages, one per rank, trained with a 1F1B schedule "
+       "(--accum is the number of micro-batches in flight; the embeddings on the first stage, the head and loss "
+       "on the last); 1: no pipeline",
+       [](RunConfig& c, const std::string& s) { c.pipeline.stages = parse_int("pipeline", s); },
+       [](const RunConfig& c) { return Texts{std::to_string(c.pipeline.stages)}; }},
+      {"pipeline-split", Kind::text,
+       "with --pipeline: each stage's layers, as FIRST:END ranges (0:12,12:24); default: the cut whose largest "
+       "stage holds the fewest parameters, earlier stages taking fewer layers",
+       [](RunConfig& c, const std::string& s) { c.pipeline.split = s.empty() ? std::vector<LayerRange>{} : parse_pipeline_split(s); },
+       [](const RunConfig& c) { return Texts{pipeline_split_text(c.pipeline.split)}; }},
       integer("world-size",
-              "data-parallel ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, "
-              "else 1); under torchrun it must equal the ranks launched",
+              "ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, else 1): pipeline "
+              "stages x data-parallel ranks; under torchrun it must equal the ranks launched",
               &RunConfig::world_size),
       integer("dist-timeout",
               "under torchrun: seconds a rank waits for the others (rendezvous, each collective) before it stops "
@@ -530,6 +541,18 @@ void validate(const RunConfig& c) {
     fail("--weights '{}': not a directory; accepted: a Hugging Face checkpoint directory (config.json and "
          "model.safetensors, or model.safetensors.index.json and its shards)",
          c.weights);
+  }
+  if (c.pipeline.stages < 1 || c.pipeline.stages > 4096) {
+    fail("--pipeline must be 1 to 4096 stages, got {}", c.pipeline.stages);
+  }
+  if (c.world_size > 0 && c.world_size % c.pipeline.stages != 0) {
+    fail("--world-size {} is not a multiple of --pipeline {}; accepted: ranks = pipeline stages x data-parallel "
+         "ranks",
+         c.world_size, c.pipeline.stages);
+  }
+  if (!c.pipeline.split.empty() && static_cast<int64_t>(c.pipeline.split.size()) != c.pipeline.stages) {
+    fail("--pipeline-split '{}' has {} stages and --pipeline is {}; accepted: one range per stage",
+         pipeline_split_text(c.pipeline.split), c.pipeline.split.size(), c.pipeline.stages);
   }
   if (c.offload != Offload::none && world_size_of(c) > 1) {
     fail("--offload {} with {} data-parallel ranks: not supported yet; accepted: one process, or --shard optimizer to "

@@ -2,7 +2,7 @@
 //
 // The micro-batch and its accumulation (lever 3), the sequence length, precision (4), activation
 // checkpointing (5), the attention path, the loss (full or chunked), the optimizer (8) and whose update of it an estimate
-// predicts, the data-parallel shard level (6), what is offloaded to host memory, the routing an estimate assumes for a mixture of
+// predicts, the data-parallel shard level and the pipeline's stages (6), what is offloaded to host memory, the routing an estimate assumes for a mixture of
 // experts, and which parameters train (frozen ones, LoRA adapters). What a run is told (RunConfig,
 // config/run_config.h), what the estimator predicts (TrainSpec, estimate/estimator.h) and what the
 // planner proposes (Plan, plan/planner.h) are each a StepSettings plus fields of their own, so a
@@ -20,6 +20,7 @@
 #include "config/moe_routing.h"
 #include "config/offload.h"
 #include "config/optimizer_kind.h"
+#include "config/pipeline_layout.h"
 #include "config/precision.h"
 #include "config/shard_level.h"
 
@@ -40,6 +41,7 @@ struct StepSettings {
   BaseWeights base_weights = BaseWeights::dense;  // LoRA's frozen projections: dense, or NF4
   Offload offload = Offload::none;  // what lives in host memory (the optimizer's state and update)
   LossSetting loss;                 // the head and the loss over all tokens at once, or in chunks
+  PipelineLayout pipeline;          // layers across ranks in stages (1: none)
 
   // This object as the step's settings alone, to assign or compare them whole.
   StepSettings& step() { return *this; }

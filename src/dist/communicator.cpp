@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <thread>
@@ -67,9 +68,17 @@ std::optional<WorldEnv> world_from_environment() {
 }
 
 struct Communicator::Backend {
-  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Store> tcp;    // the job's store, which groups share under prefixes
+  c10::intrusive_ptr<c10d::Store> store;  // this group's keys, under `prefix`
+  std::string prefix;
   c10::intrusive_ptr<c10d::Backend> group;
   bool gloo = true;
+  c10::Device device = c10::Device(c10::kCPU);
+  struct Pending {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor tensor;
+  };
+  std::vector<Pending> sends;
 };
 
 Communicator::Communicator(const WorldEnv& env_in, const c10::Device& device, std::chrono::milliseconds timeout)
@@ -82,15 +91,36 @@ Communicator::Communicator(const WorldEnv& env_in, const c10::Device& device, st
     opts.waitWorkers = !env_.agent_store;
     opts.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, opts);
+    backend_->tcp = tcp;
     // Each communicator of the process (the doctor's trials make one per run) under its own keys;
     // every rank makes them in the same order, so the numbers agree.
     static int made = 0;
-    backend_->store = c10::make_intrusive<c10d::PrefixStore>(
-        fmt::format("headroom/attempt_{}/group_{}", env_.restart_count, made++), tcp);
+    backend_->prefix = fmt::format("headroom/attempt_{}/group_{}", env_.restart_count, made++);
+    backend_->store = c10::make_intrusive<c10d::PrefixStore>(backend_->prefix, tcp);
   } catch (const std::exception& e) {
     fail("rank {}: cannot reach the rendezvous store at {}:{} within {} s: {}", env_.rank, env_.master_addr,
          env_.master_port, timeout.count() / 1000, what_of(e));
   }
+  join(device);
+}
+
+Communicator::Communicator(const Communicator& parent, const std::vector<int>& members, const std::string& name)
+    : env_(parent.env_), timeout_(parent.timeout_), backend_(std::make_unique<Backend>()) {
+  const auto me = std::find(members.begin(), members.end(), parent.rank());
+  TORCH_CHECK(me != members.end(), "Communicator: rank ", parent.rank(), " is not a member of group ", name);
+  env_.rank = static_cast<int>(me - members.begin());
+  env_.world_size = static_cast<int>(members.size());
+  backend_->tcp = parent.backend_->tcp;
+  backend_->prefix = parent.backend_->prefix + "/" + name;
+  backend_->store = c10::make_intrusive<c10d::PrefixStore>(backend_->prefix, backend_->tcp);
+  join(parent.backend_->device);
+}
+
+c10::Device Communicator::device() const { return backend_->device; }
+
+void Communicator::join(const c10::Device& device) {
+  backend_->device = device;
+  const std::chrono::milliseconds timeout = timeout_;
   backend_->gloo = !device.is_cuda();
   try {
     if (device.is_cuda()) {
@@ -127,7 +157,12 @@ Communicator::Communicator(const WorldEnv& env_in, const c10::Device& device, st
   }
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  try {
+    wait_sends();
+  } catch (...) {  // nothing may throw out of a destructor; a lost peer is reported where it is used
+  }
+}
 
 template <typename F>
 void Communicator::run(const char* op, F&& start) {
@@ -193,6 +228,32 @@ void Communicator::allgather(at::Tensor& output, at::Tensor& input) {
 
 void Communicator::barrier() {
   run("barrier", [&] { return backend_->group->barrier(); });
+}
+
+void Communicator::send(const at::Tensor& tensor, int dst) {
+  // The sends before this one first: their receivers are never waiting for this rank (a pipeline's
+  // receives are posted in schedule order), and a sent tensor then lives exactly until the next
+  // send, which the estimate can follow.
+  wait_sends();
+  std::vector<at::Tensor> tensors{tensor.contiguous()};
+  try {
+    backend_->sends.push_back({backend_->group->send(tensors, dst, /*tag=*/0), tensors.front()});
+  } catch (const std::exception& e) {
+    fail("rank {}: lost contact with rank {} while sending to it: {}; another rank has failed or was stopped — its "
+         "own output says why",
+         env_.rank, dst, what_of(e));
+  }
+}
+
+void Communicator::recv(at::Tensor& tensor, int src) {
+  std::vector<at::Tensor> tensors{tensor};
+  run("a receive", [&] { return backend_->group->recv(tensors, src, /*tag=*/0); });
+}
+
+void Communicator::wait_sends() {
+  std::vector<Backend::Pending> sends = std::move(backend_->sends);
+  backend_->sends.clear();
+  for (Backend::Pending& p : sends) run("a send", [&] { return p.work; });
 }
 
 }  // namespace headroom

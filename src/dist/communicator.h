@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace headroom {
 
@@ -47,6 +48,10 @@ class Communicator {
   // Joins the job: the store, then the backend for `device` (Gloo for cpu; NCCL for cuda, whose
   // device must be cuda:LOCAL_RANK). `timeout` bounds the rendezvous and every collective.
   Communicator(const WorldEnv& env, const c10::Device& device, std::chrono::milliseconds timeout);
+  // A group of some of `parent`'s ranks, with collectives of its own: `members` are parent ranks, in
+  // their order in the new group, this process's among them. Every member makes it with the same
+  // `name` (unique in the job) at the same point; ranks outside it do nothing.
+  Communicator(const Communicator& parent, const std::vector<int>& members, const std::string& name);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -54,6 +59,8 @@ class Communicator {
   int rank() const { return env_.rank; }
   int size() const { return env_.world_size; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // Where its tensors live (cpu for Gloo, this rank's card for NCCL).
+  c10::Device device() const;
 
   // In place, every rank ends with the same result.
   void allreduce(at::Tensor& tensor, ReduceOp op = ReduceOp::sum);
@@ -63,11 +70,21 @@ class Communicator {
   // `output` holds size() chunks, chunk r being rank r's `input`.
   void allgather(at::Tensor& output, at::Tensor& input);
   void barrier();
+  // Point to point, between a pipeline's neighbours. send first waits for the sends before it, then
+  // returns at once: the transfer completes in the background, keeping `tensor` alive until the next
+  // send or wait_sends() (a neighbour that is itself sending first would otherwise wait for this rank
+  // forever). recv blocks until `tensor`, of the right shape and dtype already, holds what rank
+  // `src` sent; messages between two ranks arrive in order.
+  void send(const at::Tensor& tensor, int dst);
+  void recv(at::Tensor& tensor, int src);
+  // Waits for every send posted, releasing their tensors.
+  void wait_sends();
 
  private:
   struct Backend;
   template <typename F>
   void run(const char* op, F&& start);
+  void join(const c10::Device& device);  // this group's backend, over backend_->store
 
   WorldEnv env_;
   std::chrono::milliseconds timeout_;

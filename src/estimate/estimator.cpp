@@ -8,6 +8,7 @@
 #include "config/run_config.h"
 #include "data/embedded.h"
 #include "data/token_file.h"
+#include "dist/pipeline_schedule.h"
 #include "model/hf_weights.h"
 #include "device/device.h"
 #include "estimate/step_replay.h"
@@ -63,6 +64,17 @@ nlohmann::json Estimate::to_json() const {
                     {"optimizer_bytes", experts->optimizer},
                     {"replicated_on_ranks", experts->world}};
   }
+  if (!stages.empty()) {
+    nlohmann::json each = nlohmann::json::array();
+    for (const Stage& st : stages) {
+      each.push_back({{"first_layer", st.first_layer},
+                      {"end_layer", st.end_layer},
+                      {"peak_bytes", st.peak_bytes},
+                      {"peak_phase", std::string(phase_name(st.peak_phase))},
+                      {"micro_batches_in_flight", st.in_flight}});
+    }
+    j["pipeline"] = {{"stage", stage}, {"stages", each}};
+  }
   if (cuda) {
     // What nvidia-smi shows beyond PyTorch's reserved memory: not predicted, named with its source.
     j["outside_reserved"] = nlohmann::json::array(
@@ -102,6 +114,14 @@ std::string Estimate::table() const {
     out += fmt::format("{:<26} {:>11} {:>6}  not on the device: what --offload keeps in host memory, at its own peak\n",
                        "host memory", format_bytes(host_bytes), "host");
   }
+  for (size_t k = 0; k < stages.size(); ++k) {
+    const Stage& st = stages[k];
+    out += fmt::format("{:<26} {:>11} {:>6}  layers {}..{}, {} micro-batch{} in flight, peak in {}{}\n",
+                       fmt::format("pipeline stage {} (rank {})", k, k), format_bytes(st.peak_bytes), "",
+                       st.first_layer, st.end_layer - 1, st.in_flight, st.in_flight == 1 ? "" : "es",
+                       phase_name(st.peak_phase),
+                       static_cast<int64_t>(k) == stage ? "; the table above is this stage's" : "");
+  }
   if (experts) {
     const std::string assumed =
         experts->routing == "balanced" ? "balanced: each expert takes tokens·top_k/experts"
@@ -136,8 +156,53 @@ std::string Estimate::table() const {
   return out;
 }
 
+namespace {
+// --pipeline: every stage replayed, one rank each; the estimate is the stage with the highest peak.
+Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
+  const std::vector<LayerRange> ranges = pipeline_stages(model, spec.pipeline);
+  std::vector<Estimate> each;
+  std::vector<Estimate::Stage> stages;
+  for (int64_t k = 0; k < spec.pipeline.stages; ++k) {
+    TrainSpec one = spec;
+    one.stage = k;
+    each.push_back(estimate(model, one));
+    const Estimate& e = each.back();
+    // The step's peak and its phase (building the model, in idle, is not part of it).
+    Phase phase = Phase::data;
+    for (Phase p : kStepPhases) {
+      if (e.phase_peaks[static_cast<size_t>(p)] > e.phase_peaks[static_cast<size_t>(phase)]) phase = p;
+    }
+    stages.push_back({ranges[static_cast<size_t>(k)].first, ranges[static_cast<size_t>(k)].end, e.step_peak(), phase,
+                      std::min(spec.pipeline.stages - k, spec.accum)});
+  }
+  const auto worst = std::max_element(each.begin(), each.end(), [](const Estimate& a, const Estimate& b) {
+    return a.step_peak() < b.step_peak();
+  });
+  Estimate out = std::move(*worst);
+  out.stage = worst - each.begin();
+  out.stages = std::move(stages);
+  return out;
+}
+}  // namespace
+
 Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   if (spec.batch < 1 || spec.accum < 1 || spec.seq < 1) fail("estimate: batch, accum and seq must be at least 1");
+  if (spec.pipeline.stages > 1) {
+    if (spec.world > 1) {
+      fail("--pipeline {} with {} data-parallel ranks: pipeline x data parallel is not supported yet (train refuses "
+           "it); accepted: --world-size {} (one rank per stage)",
+           spec.pipeline.stages, spec.world, spec.pipeline.stages);
+    }
+    if (spec.offload != Offload::none || !spec.finetune.full() || spec.base_weights != BaseWeights::dense) {
+      fail("--pipeline with --offload, --finetune or --base-weights: not supported yet (train refuses them under "
+           "torchrun); accepted: --pipeline 1");
+    }
+    if (spec.stage >= spec.pipeline.stages) {
+      fail("estimate: stage {} of a {}-stage pipeline; accepted: 0 to {}", spec.stage, spec.pipeline.stages,
+           spec.pipeline.stages - 1);
+    }
+    if (spec.stage < 0) return worst_stage(model, spec);
+  }
   if (spec.seq > model.max_positions) {
     fail("--seq {} exceeds {}'s max_position_embeddings {}", spec.seq, model.name, model.max_positions);
   }
@@ -165,7 +230,9 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
          spec.loss.name());
   }
   replay::StepReplay step(model, spec);
-  return step.run();
+  Estimate e = step.run();
+  e.stage = spec.pipeline.stages > 1 ? spec.stage : -1;
+  return e;
 }
 
 namespace {
@@ -183,7 +250,8 @@ int64_t corpus_bytes(const std::string& path) {
 TrainSpec train_spec(const RunConfig& cfg) {
   TrainSpec s;
   s.step() = cfg.step();
-  s.world = world_size_of(cfg);
+  // The data-parallel ranks: a pipeline's stages take one rank each.
+  s.world = std::max<int64_t>(1, world_size_of(cfg) / cfg.pipeline.stages);
   // An estimate is for before the GPU is rented: --device cuda needs none here.
   s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
   if (!s.cuda && !cfg.weights.empty()) {

@@ -46,6 +46,9 @@ struct TrainSpec : StepSettings {
   // Data parallel (lever 6): the ranks (the shard level is a StepSettings); the estimate is rank
   // 0's (the rank with the largest slices). batch stays the per-rank micro-batch.
   int64_t world = 1;
+  // --pipeline P (StepSettings::pipeline): the stage to predict, 0 to P - 1; -1: every stage, the
+  // estimate being the one with the highest peak. `world` counts the data-parallel ranks only.
+  int64_t stage = -1;
 };
 
 struct EstimateItem {
@@ -84,6 +87,15 @@ struct Estimate {
     int64_t world = 1;  // data parallel: every rank holds every expert (no expert parallelism)
   };
   std::optional<Experts> experts;
+  // --pipeline: every stage's layers and peak, one rank each (the estimate itself is `stage`'s).
+  struct Stage {
+    int64_t first_layer = 0, end_layer = 0;
+    int64_t peak_bytes = 0;
+    Phase peak_phase = Phase::idle;
+    int64_t in_flight = 0;  // micro-batches whose activations it holds at once (1F1B)
+  };
+  std::vector<Stage> stages;
+  int64_t stage = -1;
 
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
   // The highest of the step's phases: peak_bytes unless building the model (its initialisation or

@@ -314,3 +314,55 @@ INSTANTIATE_TEST_SUITE_P(Families, EstimatorAccuracy, ::testing::ValuesIn(testin
 
 }  // namespace
 }  // namespace headroom
+
+namespace headroom {
+namespace {
+
+// --pipeline 2 on Llama-3.2-1B's width and vocabulary (tied), 4 layers: the embedding on stage 0 and
+// the head's copy of it on stage 1, two layers each (the cut whose largest stage is smallest); the
+// stages' weights add up to the whole model's plus that copy. Under 1F1B the first stage holds more
+// micro-batches' activations as the accumulation grows, and the last one at a time.
+TEST(EstimatorPipeline, StagesSplitTheWeightsAndTheFirstHoldsMoreMicroBatches) {
+  const ModelConfig c = load_model_config("llama-3.2-1b", {"num_hidden_layers=4"});
+  TrainSpec spec;
+  spec.seq = 64;
+  spec.batch = 1;
+  spec.pipeline.stages = 2;
+  auto stage = [&](int64_t k, int64_t accum) {
+    TrainSpec s = spec;
+    s.stage = k;
+    s.accum = accum;
+    return estimate(c, s);
+  };
+  const int64_t tied = c.vocab_size * c.hidden_size * 4;
+  TrainSpec one = spec;
+  one.pipeline.stages = 1;
+  const Estimate whole = estimate(c, one);
+  const Estimate s0 = stage(0, 4), s1 = stage(1, 4);
+  EXPECT_EQ(s0.category(sim::Category::weights) + s1.category(sim::Category::weights),
+            whole.category(sim::Category::weights) + tied);
+  EXPECT_EQ(s0.params + s1.params, count_parameters(c) + c.vocab_size * c.hidden_size);
+  const Estimate both = estimate(c, [&] {
+    TrainSpec s = spec;
+    s.accum = 4;
+    return s;
+  }());
+  ASSERT_EQ(both.stages.size(), 2u);
+  EXPECT_EQ(both.stages[0].first_layer, 0);
+  EXPECT_EQ(both.stages[0].end_layer, 2);
+  EXPECT_EQ(both.stages[1].end_layer, 4);
+  EXPECT_EQ(both.stages[0].in_flight, 2);
+  EXPECT_EQ(both.stages[1].in_flight, 1);
+  EXPECT_EQ(both.stages[0].peak_bytes, s0.step_peak());
+  EXPECT_EQ(both.peak_bytes, std::max(s0, s1, [](const Estimate& a, const Estimate& b) {
+                               return a.step_peak() < b.step_peak();
+                             }).peak_bytes);
+  EXPECT_GT(stage(0, 4).category(sim::Category::activations), stage(0, 1).category(sim::Category::activations));
+  EXPECT_EQ(stage(1, 4).category(sim::Category::activations), stage(1, 2).category(sim::Category::activations));
+  // Every stage below the whole model on one rank.
+  EXPECT_LT(s0.step_peak(), whole.step_peak());
+  EXPECT_LT(s1.step_peak(), whole.step_peak());
+}
+
+}  // namespace
+}  // namespace headroom

@@ -26,6 +26,11 @@ bool is_mixed(Precision p) { return p == Precision::bf16_mixed || p == Precision
 LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
     : sim::Ops(is_mixed(s.precision)), c_(c), s_(s), ew_(s.precision == Precision::bf16 ? 2 : 4) {
   const std::string w = fmt::format("{} B each", ew_);
+  if (s.pipeline.stages > 1) {
+    const std::vector<LayerRange> ranges = pipeline_stages(c, s.pipeline);
+    const auto k = static_cast<size_t>(s.stage);
+    stage_ = {ranges.at(k).first, ranges.at(k).end, k == 0, k + 1 == ranges.size()};
+  }
   weights_ = mem_.label("weights", Category::weights, "parameters × " + w);
   grads_ = mem_.label("gradients", Category::gradients, "parameters × " + w + ", filled as backward reaches them");
 }
@@ -34,7 +39,7 @@ void LayerReplay::construct_model() {
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
   shapes_ = std::make_unique<CausalLM>(
       c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0, CausalLM::KeepParameter{},
-      s_.finetune, true, s_.base_weights);
+      s_.finetune, true, s_.base_weights, stage_);
   const std::string w = fmt::format("{} B each", ew_);
   for (const auto& np : shapes_->parameters()) {
     if (params_.count(np.name) != 0) continue;  // a tied head repeats the embedding
@@ -79,15 +84,25 @@ void LayerReplay::construct_model() {
     params_.emplace(np.name, prm);
     order_.push_back(np.name);
   }
-  // A tied head is the embedding used a second time: two gradients arrive for it per backward.
-  if (c_.tie_word_embeddings && params_.at("embed_tokens.weight").t.slot) {
+  // A tied head is the embedding used a second time: two gradients arrive for it per backward (a
+  // pipeline's first and last stages each use their own copy once).
+  if (c_.tie_word_embeddings && stage_.embeddings && stage_.head && params_.at("embed_tokens.weight").t.slot) {
     params_.at("embed_tokens.weight").t.slot->uses = 2;
   }
   // CausalLM initialises each parameter in a float32 copy, one at a time, in registration order:
   // nothing at the peak, but a caching allocator keeps the largest copy's segment.
   const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");
   const bool loaded = !s_.loaded_tensors.empty();
-  for (const auto& name : order_) {
+  // A pipeline stage draws every parameter of the model, in its order, and keeps its own.
+  std::vector<std::pair<std::string, int64_t>> drawn;
+  if (stage_.whole()) {
+    for (const auto& name : order_) drawn.emplace_back(name, params_.at(name).t.numel);
+  } else {
+    const CausalLM whole(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0,
+                         CausalLM::KeepParameter{}, s_.finetune, true, s_.base_weights);
+    for (const auto& np : whole.parameters()) drawn.emplace_back(np.name, np.tensor.numel());
+  }
+  for (const auto& [name, numel] : drawn) {
     const bool adapter = is_lora_parameter(name);
     if (loaded && !adapter) continue;
     if (is_nf4_part(name)) {
@@ -96,7 +111,7 @@ void LayerReplay::construct_model() {
       if (!weight.empty()) Ref copy = mem_.allocate(shapes_->nf4_weight(weight)->numel() * 4, init);
       continue;
     }
-    Ref copy = mem_.allocate(params_.at(name).t.numel * 4, init);
+    Ref copy = mem_.allocate(numel * 4, init);
   }
   // --weights: then the checkpoint's tensors, read one at a time in their file's dtype.
   const int read = mem_.label("checkpoint tensors", Category::temporaries, "--weights: one tensor at a time, as stored");
@@ -308,8 +323,8 @@ Tensor LayerReplay::gate_backward(const Tensor& x, int unit) {
   return y;
 }
 
-Tensor LayerReplay::forward(int64_t rows) {
-  Tensor x = trunk(rows);
+Tensor LayerReplay::forward(int64_t rows, const Tensor* input) {
+  Tensor x = trunk(rows, input);
   const int logits_lbl = mem_.label("logits", Category::logits, "B·T·vocab in the matmul dtype");
   Tensor logits = linear(x, head(), nullptr, logits_lbl);
   if (gate_) gate_->forward_done(0, g_->grad_mode());
@@ -320,21 +335,26 @@ const sim::Param& LayerReplay::head() {
   return c_.tie_word_embeddings ? p("embed_tokens.weight") : p("lm_head.weight");
 }
 
-Tensor LayerReplay::trunk(int64_t rows) {
+Tensor LayerReplay::trunk(int64_t rows, const Tensor* input) {
   const int64_t t = s_.seq, tokens = rows * t, h = c_.hidden_size;
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
-  const Param& embed = p("embed_tokens.weight");
-  if (gate_) gate_->gather(0);
-  Tensor x = embedding(embed, tokens, ew_, res_lbl);
-  if (c_.embed_scale != 1.0) x = scale(x, res_lbl);
-  if (c_.learned_positions) {
-    const Param& pos = p("embed_positions.weight");
-    Ref arange = mem_.allocate(t * 8, tmp_);
-    Tensor pe = make(t * h, ew_, tmp_, pos.t.requires_grad());
-    g_->record({&pe}, {}, [this, &pos](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(pos.t)}; });
-    x = add(x, pe, res_lbl);
+  Tensor x;
+  if (stage_.embeddings) {
+    const Param& embed = p("embed_tokens.weight");
+    if (gate_) gate_->gather(0);
+    x = embedding(embed, tokens, ew_, res_lbl);
+    if (c_.embed_scale != 1.0) x = scale(x, res_lbl);
+    if (c_.learned_positions) {
+      const Param& pos = p("embed_positions.weight");
+      Ref arange = mem_.allocate(t * 8, tmp_);
+      Tensor pe = make(t * h, ew_, tmp_, pos.t.requires_grad());
+      g_->record({&pe}, {}, [this, &pos](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(pos.t)}; });
+      x = add(x, pe, res_lbl);
+    }
+    x = dropout(x, c_.embd_dropout, res_lbl);
+  } else {
+    x = *input;
   }
-  x = dropout(x, c_.embd_dropout, res_lbl);
   Rope rope;
   if (!c_.learned_positions) {
     const int64_t rd = c_.rotary_dim;
@@ -361,7 +381,8 @@ Tensor LayerReplay::trunk(int64_t rows) {
       return false;
     };
   }
-  for (int64_t i = 0; i < c_.num_layers; ++i) {
+  const int64_t end = stage_.end < 0 ? c_.num_layers : stage_.end;
+  for (int64_t i = stage_.first; i < end; ++i) {
     const int unit = 1 + static_cast<int>(i);
     if (gate_) gate_->gather(unit);
     if (offloading) {
@@ -381,6 +402,7 @@ Tensor LayerReplay::trunk(int64_t rows) {
       x = gate_backward(x, unit);
     }
   }
+  if (!stage_.head) return x;
   return norm(x, p("final_norm.weight"), maybe("final_norm.bias"));
 }
 

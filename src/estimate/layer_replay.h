@@ -21,6 +21,7 @@
 
 #include "config/model_config.h"
 #include "estimate/estimator.h"
+#include "dist/pipeline_schedule.h"
 #include "estimate/ops.h"
 #include "model/causal_lm.h"
 
@@ -48,10 +49,12 @@ class LayerReplay : protected sim::Ops {
   // As CausalLM's constructor: the parameters in registration order, then their float32
   // initialisation copies, one at a time.
   void construct_model();
-  // CausalLM::forward over `rows` sequences: the logits.
-  sim::Tensor forward(int64_t rows);
-  // CausalLM::hidden_states: the same without the head, the final norm's output.
-  sim::Tensor trunk(int64_t rows);
+  // CausalLM::forward over `rows` sequences: the logits (`input`: as trunk's).
+  sim::Tensor forward(int64_t rows, const sim::Tensor* input = nullptr);
+  // CausalLM::hidden_states: the same without the head, the final norm's output. A pipeline stage's
+  // (`stage_`): from `input` (the previous stage's output) when it has no embeddings, through its
+  // layers, to the final norm only when it has the head.
+  sim::Tensor trunk(int64_t rows, const sim::Tensor* input = nullptr);
   // The head's weight (the embedding's, when tied).
   const sim::Param& head();
 
@@ -65,6 +68,7 @@ class LayerReplay : protected sim::Ops {
   std::map<std::string, sim::Param> params_;
   std::vector<std::string> order_;    // parameter names in registration order
   std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
+  ModelStage stage_;                  // --pipeline: the stage replayed (TrainSpec::stage); else the whole model
 
  private:
   // The rotary tables: cos and sin, and the windowed layers' own (gemma3).

@@ -1,5 +1,7 @@
 #include "estimate/sim.h"
 
+#include <stdexcept>
+
 #include <algorithm>
 
 namespace headroom::sim {
@@ -206,6 +208,11 @@ void Graph::accumulate(Emit e) {
   s.grad = std::move(e.grad);
   s.grad_is_view = e.view;
   if (s.param_label >= 0 && s.on_accumulated) s.on_accumulated();
+}
+
+void Graph::restore_nodes(std::vector<Node> nodes) {
+  if (!nodes_.empty()) throw std::logic_error("sim::Graph::restore_nodes: nodes are already recorded");
+  nodes_ = std::move(nodes);
 }
 
 void Graph::backward(const Tensor& root, Ref seed) {

@@ -235,13 +235,19 @@ class Graph {
   void backward(const Tensor& root, Ref seed = nullptr);
   int temporaries_label();
 
- private:
   struct Node {
     std::vector<SlotPtr> outputs;
     std::vector<Ref> saved;
     std::shared_ptr<OffloadedLayer> offloaded;  // the layer whose host copies it saved
     Backward backward;
   };
+  // The nodes recorded since the last backward, taken out (what they save stays alive with them): a
+  // pipeline stage keeps each micro-batch's own until its backward, which runs them after
+  // restore_nodes (there must be none recorded then).
+  std::vector<Node> take_nodes() { return std::exchange(nodes_, {}); }
+  void restore_nodes(std::vector<Node> nodes);
+
+ private:
   void accumulate(Emit e);
 
   Memory& mem_;

@@ -1,6 +1,7 @@
 #include "estimate/step_replay.h"
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <vector>
 
@@ -34,8 +35,12 @@ Estimate StepReplay::run() {
   const std::vector<Ref> state = optimizer_.make_state(*shapes_);
   if (s_.cuda) reserve_cublas_workspace();
   const size_t step_begin = mem_.events().size();
-  micro_batch(s_.batch);
-  if (s_.accum > 1) micro_batch(s_.batch);  // the second sees the first's gradients
+  if (s_.pipeline.stages > 1) {
+    pipeline_schedule();
+  } else {
+    micro_batch(s_.batch);
+    if (s_.accum > 1) micro_batch(s_.batch);  // the second sees the first's gradients
+  }
   const CategoryBytes at_update = optimizer_phase();
   zero_grad_phase();
   return result(at_update, step_begin);
@@ -77,14 +82,78 @@ void StepReplay::micro_batch(int64_t rows) {
   backward_phase(forward_phase(rows, batch_lbl, loss_lbl));
 }
 
-Tensor StepReplay::forward_phase(int64_t rows, int batch_lbl, int loss_lbl) {
+void StepReplay::pipeline_schedule() {
+  const int64_t rows = s_.batch, t = s_.seq, h = c_.hidden_size;
+  const int64_t stages = s_.pipeline.stages, stage = s_.stage;
+  const bool first = stage_.embeddings, last = stage_.head;
+  const int batch_lbl = mem_.label("batch", Category::other, "token ids, B·(T+1) int64, and the targets' copy");
+  const int loss_lbl = mem_.label("loss buffers", Category::loss,
+                                  "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient");
+  const int received = act("received activations", "--pipeline: the previous stage's output, B·T·hidden, per "
+                                                    "micro-batch in flight");
+  const int transit = mem_.label("pipeline transfers", Category::communication,
+                                 "--pipeline: an output's gradient received, B·T·hidden, and the last tensor sent");
+  // What the stage keeps of a micro-batch from its forward to its backward.
+  struct InFlight {
+    std::vector<sim::Graph::Node> nodes;
+    Tensor input, output;
+    Ref batch;
+  };
+  std::deque<InFlight> in_flight;
+  Ref sent;  // held until the next send (dist/communicator.h)
+  auto send = [&](Ref r) { sent = std::move(r); };
+  // The cycle repeats once every stage is past its warm-up: two steady micro-batches more show all of it.
+  const int64_t micro_batches = std::min(s_.accum, stages + 2);
+  for (const PipelineSlot& slot : one_f_one_b(stage, stages, micro_batches)) {
+    if (slot.forward) {
+      mem_.set_phase(Phase::data);
+      InFlight f;
+      Ref batch = mem_.allocate(rows * (t + 1) * 8, batch_lbl);
+      mem_.set_phase(Phase::forward);
+      if (!first) f.input = make(rows * t * h, ew_, received, true);
+      if (last) {
+        f.output = forward_phase(rows, batch_lbl, loss_lbl, &f.input);
+      } else {
+        std::map<const Param*, Tensor> cache;
+        cache_ = &cache;
+        f.output = trunk(rows, &f.input);
+        cache_ = nullptr;
+        send(f.output.buf);
+      }
+      // The embedding keeps the token ids, the loss the targets; a middle stage lets them go.
+      if (first || last) f.batch = std::move(batch);
+      f.nodes = g_->take_nodes();
+      in_flight.push_back(std::move(f));
+      continue;
+    }
+    InFlight f = std::move(in_flight.front());
+    in_flight.pop_front();
+    g_->restore_nodes(std::move(f.nodes));
+    if (last) {
+      backward_phase(std::move(f.output));
+    } else {
+      mem_.set_phase(Phase::backward);
+      Ref grad = mem_.allocate(rows * t * h * ew_, transit);
+      g_->backward(f.output, grad);
+      f.output = Tensor{};
+      if (!first) {
+        send(std::move(f.input.slot->grad));
+        f.input = Tensor{};
+      }
+    }
+  }
+  sent.reset();
+  Ref loss_sum = mem_.allocate(8, tmp_);  // the last stage's loss, summed over the stages
+}
+
+Tensor StepReplay::forward_phase(int64_t rows, int batch_lbl, int loss_lbl, const Tensor* input) {
   const int64_t tokens = rows * s_.seq, vocab = c_.vocab_size;
   mem_.set_phase(Phase::forward);
   std::map<const Param*, Tensor> cache;
   cache_ = &cache;
-  Tensor loss = s_.loss.chunked ? chunked_loss(trunk(rows), head(), tokens,
+  Tensor loss = s_.loss.chunked ? chunked_loss(trunk(rows, input), head(), tokens,
                                                 chunk_tokens(s_.loss, tokens, vocab, c_.hidden_size), batch_lbl, loss_lbl)
-                                 : token_loss(forward(rows), tokens, vocab, batch_lbl, loss_lbl);
+                                 : token_loss(forward(rows, input), tokens, vocab, batch_lbl, loss_lbl);
   if (!aux_.empty()) {
     // The router's load-balancing loss (model/experts.h), from each sparse layer's statistics,
     // added to the loss.

@@ -34,8 +34,11 @@ class StepReplay : LayerReplay {
   void load_corpus();
   void reserve_cublas_workspace();
   void micro_batch(int64_t rows);
+  // --pipeline: this stage's one_f_one_b() schedule over the step's micro-batches
+  // (train/pipeline_step.h), in place of micro_batch().
+  void pipeline_schedule();
   // The forward and the loss of `rows` sequences, under one autocast scope.
-  sim::Tensor forward_phase(int64_t rows, int batch_lbl, int loss_lbl);
+  sim::Tensor forward_phase(int64_t rows, int batch_lbl, int loss_lbl, const sim::Tensor* input = nullptr);
   void backward_phase(sim::Tensor loss);
   // Returns live bytes by category as the update finds them.
   CategoryBytes optimizer_phase();

@@ -65,6 +65,7 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
       continue;
     }
     const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
+    if (t.is_meta()) continue;  // another pipeline stage's: drawn only to keep the order
     if (!keep) {
       t.copy_(cpu);
       continue;
@@ -129,22 +130,27 @@ at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> sha
       return {};
     }
   }
-  at::Tensor t = at::empty(shape, options_);
-  if (release_ && !options_.device().is_meta()) release_storage(t);  // memory again only to be initialised
+  // Another pipeline stage's parameter: a shape without memory, dropped once the draws are done.
+  at::Tensor t = at::empty(shape, holds(name) ? options_ : options_.device(at::kMeta));
+  if (release_ && !t.is_meta()) release_storage(t);  // memory again only to be initialised
   params_.push_back({name, t});
   return t;
 }
 
 CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed,
                    const KeepParameter& keep, const Finetune& finetune, bool initialise_base,
-                   BaseWeights base_weights)
-    : config_(config), finetune_(finetune), base_weights_(base_weights), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
+                   BaseWeights base_weights, const ModelStage& stage)
+    : config_(config), stage_(stage), finetune_(finetune), base_weights_(base_weights), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
   const int64_t q_dim = c.num_heads * c.head_dim;
   const int64_t kv_dim = c.num_kv_heads * c.head_dim;
   const int64_t inter = c.intermediate_size;
   const bool layer_norm = c.norm == NormKind::layer_norm;
+  if (stage_.end < 0) stage_.end = c.num_layers;
+  TORCH_CHECK(stage_.first >= 0 && stage_.first < stage_.end && stage_.end <= c.num_layers,
+              "CausalLM: stage layers [", stage_.first, ", ", stage_.end, ") outside the model's ", c.num_layers);
+  if (base_weights_ == BaseWeights::nf4 && !stage_.whole()) fail("--base-weights nf4 with --pipeline: not supported");
 
   // Allocate on the target device directly; init happens after, on CPU copies.
   embed_ = add_param("embed_tokens.weight", {c.vocab_size, d});
@@ -224,6 +230,7 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
         params_, c, seed, keep, initialise_base, [this](const std::string& w) { return nf4_weight(w)->sizes; },
         [this](const std::string& w, const at::Tensor& dense) { quantise(w, dense); });
   }
+  std::erase_if(params_, [this](const NamedTensor& p) { return !holds(p.name); });
   mark_trainable();
 }
 
@@ -327,6 +334,16 @@ void CausalLM::quantise(const std::string& name, const at::Tensor& dense) {
   if (w == nullptr) fail("'{}' is not held in NF4", name);
   Nf4Weight& target = *projection_slots(layers_[layer_of(name)], name).second;
   nf4_quantise_into(dense.device() == target.codes.device() ? dense : dense.to(target.codes.device()), target);
+}
+
+bool CausalLM::holds(const std::string& name) const {
+  if (name.rfind("layers.", 0) == 0) {
+    const auto layer = static_cast<int64_t>(layer_of(name));
+    return layer >= stage_.first && (stage_.end < 0 || layer < stage_.end);
+  }
+  if (name == "embed_tokens.weight") return stage_.embeddings || (stage_.head && config_.tie_word_embeddings);
+  if (name == "embed_positions.weight") return stage_.embeddings;
+  return stage_.head;  // the final norm, the head
 }
 
 int64_t CausalLM::counted_elements(const NamedTensor& p) const {
@@ -486,6 +503,7 @@ at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTabl
 }
 
 at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
+  TORCH_CHECK(stage_.head, "forward: this pipeline stage has no head; hidden_states gives its output");
   Trunk trunk = run_trunk(input_ids, o, router);
   at::Tensor logits = at::linear(trunk.hidden, head_);
   if (o.gate) o.gate->forward_done(0);
@@ -506,9 +524,13 @@ void CausalLM::report_router(const Trunk& trunk, RouterOutput* router) const {
   if (trunk.stats->balance && trunk.stats->rows > 0) router->loss = load_balancing_loss(*trunk.stats, *config_.moe);
 }
 
-CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
-  TORCH_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got ", input_ids.sizes());
-  const int64_t t = input_ids.size(1);
+CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input, const ForwardOptions& o, RouterOutput* router) const {
+  if (stage_.embeddings) {
+    TORCH_CHECK(input.dim() == 2, "input_ids must be [batch, seq], got ", input.sizes());
+  } else {
+    TORCH_CHECK(input.dim() == 3, "a later pipeline stage's input must be [batch, seq, hidden], got ", input.sizes());
+  }
+  const int64_t t = input.size(1);
   if (t > config_.max_positions) {
     fail("sequence length {} exceeds the model's max_position_embeddings {}", t, config_.max_positions);
   }
@@ -525,23 +547,26 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input_ids, const ForwardOp
   stats->balance = balance;
   RouterStats* collect = router && config_.moe ? stats.get() : nullptr;
   ParameterGate* gate = o.gate;
-  if (gate) gate->gather(0);
-  at::Tensor x = at::embedding(embed_, input_ids);
-  if (config_.embed_scale != 1.0) {
-    // Gemma: sqrt(hidden_size) in the weights' dtype, as Hugging Face rounds it.
-    x = x * at::scalar_tensor(config_.embed_scale, at::TensorOptions().dtype(embed_.scalar_type())).item<double>();
+  at::Tensor x = input;
+  if (stage_.embeddings) {
+    if (gate) gate->gather(0);
+    x = at::embedding(embed_, input);
+    if (config_.embed_scale != 1.0) {
+      // Gemma: sqrt(hidden_size) in the weights' dtype, as Hugging Face rounds it.
+      x = x * at::scalar_tensor(config_.embed_scale, at::TensorOptions().dtype(embed_.scalar_type())).item<double>();
+    }
+    if (config_.learned_positions) {
+      x = x + at::embedding(pos_embed_, at::arange(t, input.options()));
+    }
+    x = maybe_dropout(x, config_.embd_dropout, o.training);
   }
-  if (config_.learned_positions) {
-    x = x + at::embedding(pos_embed_, at::arange(t, input_ids.options()));
-  }
-  x = maybe_dropout(x, config_.embd_dropout, o.training);
   RotaryTables rope;
   if (!config_.learned_positions) {
     rope.global = rotary_.tables(t, x.device());
     if (config_.local_rope_theta) rope.local = local_rotary_.tables(t, x.device());
   }
   if (o.offload) o.offload->start_forward();
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  for (auto i = static_cast<size_t>(stage_.first); i < static_cast<size_t>(stage_.end); ++i) {
     const Layer* l = &layers_[i];
     const int unit = 1 + static_cast<int>(i);
     if (gate) gate->gather(unit);
@@ -563,6 +588,7 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input_ids, const ForwardOp
       x = gate_backward(x, gate, unit);  // backward finds the layer's parameters in place again
     }
   }
+  if (!stage_.head) return {x, stats};
   return {norm(x, final_norm_w_, final_norm_b_), stats};
 }
 

@@ -39,6 +39,15 @@ struct ForwardOptions {
   std::shared_ptr<ActivationOffload> offload;
 };
 
+// The part of the model a pipeline stage holds (dist/pipeline.h): layers [first, end), the
+// embeddings (the first stage), the final norm and the head (the last; with tied embeddings its head
+// is its own copy of the embedding). The default is the whole model.
+struct ModelStage {
+  int64_t first = 0, end = -1;  // end -1: to the last layer
+  bool embeddings = true, head = true;
+  bool whole() const { return first == 0 && end < 0 && embeddings && head; }
+};
+
 class CausalLM {
  public:
   // Weights are initialised from `seed` as Hugging Face does (normal(0, initializer_range), biases
@@ -58,8 +67,11 @@ class CausalLM {
   // adaptable_modules, targeted or not) is held in NF4 (model/nf4.h) as two parameters, "<weight>.nf4"
   // (the codes) and "<weight>.absmax", in the weight's place; initialised, it is drawn as the dense
   // weight would be, one at a time, then quantised, so a seed gives the same base either way.
+  // `stage`: only that part's parameters are kept; every parameter is still drawn in order, so a
+  // stage's weights are those of the whole model of the same seed.
   CausalLM(const ModelConfig& config, const at::TensorOptions& options, uint64_t seed, const KeepParameter& keep = {},
-           const Finetune& finetune = {}, bool initialise_base = true, BaseWeights base_weights = BaseWeights::dense);
+           const Finetune& finetune = {}, bool initialise_base = true, BaseWeights base_weights = BaseWeights::dense,
+           const ModelStage& stage = {});
 
   // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
   // dtype. `router`: a mixture of experts reports there the skew of its routing and, when its
@@ -68,13 +80,18 @@ class CausalLM {
   at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options, RouterOutput* router = nullptr) const;
   // The same forward without the head: the final norm's output [B, T, hidden], for a loss that
   // applies head_weight() itself (model/chunked_loss.h). Not with a ParameterGate (the head's unit
-  // would stay gathered).
+  // would stay gathered). A pipeline stage's forward: `input_ids` is the previous stage's output
+  // [B, T, hidden] when the stage has no embeddings, and the result is its last layer's output when
+  // it has no head.
   at::Tensor hidden_states(const at::Tensor& input_ids, const ForwardOptions& options,
                            RouterOutput* router = nullptr) const;
   // The LM head's weight [vocab, hidden] (the embedding's, when tied).
   const at::Tensor& head_weight() const { return head_; }
 
   const ModelConfig& config() const { return config_; }
+  const ModelStage& stage() const { return stage_; }
+  // Whether the stage holds the named parameter (every name, for the whole model).
+  bool holds(const std::string& name) const;
   const std::vector<NamedTensor>& parameters() const { return params_; }
   std::vector<at::Tensor> parameter_tensors() const;
   int64_t num_parameters() const;
@@ -144,6 +161,7 @@ class CausalLM {
                    RouterStats* stats) const;
 
   ModelConfig config_;
+  ModelStage stage_;
   Finetune finetune_;
   BaseWeights base_weights_ = BaseWeights::dense;
   at::TensorOptions options_;

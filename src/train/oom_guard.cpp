@@ -169,7 +169,7 @@ GuardedStep OomGuard::run(int64_t step) {
   DataParallel* replicas = run_.replicas.get();
   GuardedStep g;
   for (;;) {
-    const StepShape shape{step, rows_, micro_, run_.rank(), run_.ranks()};
+    const StepShape shape{step, rows_, micro_, run_.data_rank(), run_.data_ranks()};
     run_.monitor->begin_step(step);
     OomReport report;
     int code = 0;
@@ -185,7 +185,13 @@ GuardedStep OomGuard::run(int64_t step) {
       // will not join: it cannot re-run the step, and they learn of it when it exits.
       const bool updating = g.outcome.update_started || g.outcome.agreed;
       report = diagnose(e, shape, updating);
-      if (replicas) report.rank = run_.rank();
+      if (replicas || run_.pipeline) report.rank = run_.rank();
+      if (run_.pipeline) {
+        // The other stages are part-way through their schedules: the step cannot be run again
+        // together. This rank ends with the report; they stop when they lose contact with it.
+        g.oom = report;
+        return g;
+      }
       const GuardDecision decision = after_step_oom(micro_, updating, !run_.config.no_guard, cache);
       why = decision.reason;
       code = encode(decision.action, run_.rank());

@@ -137,12 +137,39 @@ void load_model_config_and_data(Run& run, const RunConfig& cfg) {
   run.data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
 }
 
+// --pipeline P: this rank's stage, every rank one (data parallel across pipelines is not built yet).
+void place_pipeline(Run& run, const RunConfig& cfg) {
+  const int64_t p = cfg.pipeline.stages;
+  if (!run.comm || run.ranks() != p) {
+    fail("--pipeline {} needs {} ranks, one per stage, and this process is one of {}; accepted: torchrun "
+         "--nproc-per-node {} (pipeline x data parallel is not supported yet)",
+         p, p, run.ranks(), p);
+  }
+  if (cfg.shard != ShardLevel::none) {
+    fail("--shard {} with --pipeline: the shard levels split state over data-parallel ranks, and a pipeline of {} "
+         "ranks has none; accepted: --shard none",
+         shard_level_name(cfg.shard), p);
+  }
+  run.pipeline = std::make_unique<Pipeline>(*run.comm, pipeline_stages(run.model_config, cfg.pipeline),
+                                            run.model_config.tie_word_embeddings);
+}
+
 // --weights and --save-weights: what this run can honour, checked before anything trains.
 void check_weights_options(const RunConfig& cfg, const Run& run) {
   const bool sliced = run.comm && cfg.shard == ShardLevel::full;
   if (sliced && !cfg.weights.empty()) {
     fail("--weights with --shard full: not supported yet (each rank would need the whole checkpoint while it "
          "slices); accepted: --shard gradients or optimizer");
+  }
+  if (run.pipeline) {
+    for (const auto& [given, flag] : {std::pair{!cfg.weights.empty(), "--weights"}, {!cfg.save_weights.empty(), "--save-weights"},
+                                      {!cfg.checkpoint.empty(), "--checkpoint"}, {!cfg.resume.empty(), "--resume"}}) {
+      if (given) fail("{} with --pipeline: not supported yet; accepted: --pipeline 1", flag);
+    }
+    if (run.model_config.moe && run.model_config.moe->aux_loss) {
+      fail("--pipeline with output_router_logits (a load-balancing loss over every layer): not supported yet; "
+           "accepted: --set output_router_logits=false");
+    }
   }
   if (run.comm && !cfg.finetune.full()) {
     fail("--finetune {} under torchrun: not supported yet (data parallel reduces every parameter's gradient); "
@@ -195,7 +222,8 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
   }
   // Weights a checkpoint will fill are not drawn first.
   run.model = std::make_unique<CausalLM>(run.model_config, at::TensorOptions().dtype(dtype).device(run.device),
-                                         cfg.seed, keep, cfg.finetune, cfg.weights.empty(), cfg.base_weights);
+                                         cfg.seed, keep, cfg.finetune, cfg.weights.empty(), cfg.base_weights,
+                                         run.pipeline ? run.pipeline->model_stage() : ModelStage{});
   if (!cfg.weights.empty()) load_hf_weights(cfg.weights, *run.model);
   if (!cfg.adapter.empty()) load_peft_adapter(cfg.adapter, *run.model);
   return slices;
@@ -206,7 +234,7 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
 void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> slices) {
   OptimizerOptions options;
   options.weight_decay = cfg.weight_decay_value();
-  if (run.comm) {
+  if (run.comm && !run.pipeline) {
     run.replicas = std::make_unique<DataParallel>(*run.comm, run.model->parameters(), cfg.shard,
                                                   run.model->parameter_units(), std::move(slices));
     DataParallel* replicas = run.replicas.get();
@@ -290,6 +318,7 @@ MadeRun make_run(const RunConfig& cfg) {
     run->comm = std::make_unique<Communicator>(*placement.world, device, std::chrono::seconds(cfg.dist_timeout));
   }
   load_model_config_and_data(*run, cfg);
+  if (cfg.pipeline.stages > 1) place_pipeline(*run, cfg);
   check_weights_options(cfg, *run);
 
   const c10::ScalarType dtype = parameter_dtype(cfg.precision);

@@ -22,6 +22,7 @@
 #include "data/text_dataset.h"
 #include "dist/communicator.h"
 #include "dist/data_parallel.h"
+#include "dist/pipeline.h"
 #include "memory/memory_monitor.h"
 #include "memory/memory_probe.h"
 #include "memory/oom_report.h"
@@ -48,6 +49,7 @@ struct Run {
   std::unique_ptr<CausalLM> model;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<DataParallel> replicas;  // with comm; before the model in destruction (its hooks)
+  std::unique_ptr<Pipeline> pipeline;      // --pipeline P: this rank's stage (no data parallel then)
   std::optional<LossScaler> scaler;  // fp16-mixed
   std::unique_ptr<MemoryMonitor> monitor;
   LrSchedule schedule;
@@ -62,6 +64,9 @@ struct Run {
   const std::vector<NamedTensor>& parameters() const { return model->parameters(); }
   int rank() const { return comm ? comm->rank() : 0; }
   int ranks() const { return comm ? comm->size() : 1; }
+  // The data-parallel ranks, which split the global batch's rows: every rank but a pipeline's.
+  int data_rank() const { return pipeline ? 0 : rank(); }
+  int data_ranks() const { return pipeline ? 1 : ranks(); }
   // cuda with RunConfig::leak_origins: allocations are tagged with their step and phase.
   bool records_origins() const { return origins_; }
   // --offload optimizer: host memory at its peak since the probe's last reset (cpu: the host pool),

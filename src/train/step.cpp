@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "device/autocast_adapter.h"
+#include "train/pipeline_step.h"
 #include "train/step_ops.h"
 
 namespace headroom {
@@ -50,7 +51,9 @@ void backward_loss(Run& run, const at::Tensor& loss, double weight) {
 void update(Run& run, double lr, StepOutcome& out) {
   auto phase = run.monitor->phase(Phase::optimizer);
   DataParallel* replicas = run.replicas.get();
+  Pipeline* pipe = run.pipeline.get();
   if (replicas) replicas->reduce_gradients();
+  if (pipe) pipe->reduce_tied(run.parameters());
   if (run.scaler) {
     // fp16: gradients back to their true scale first; a step with an inf or NaN (on any rank) is skipped.
     std::vector<at::Tensor> grads;
@@ -62,10 +65,12 @@ void update(Run& run, double lr, StepOutcome& out) {
       }
     }
     out.skipped = replicas ? run.scaler->unscale(grads, [replicas](bool found) { return replicas->any(found); })
+                  : pipe   ? run.scaler->unscale(grads, [pipe](bool found) { return pipe->any(found); })
                            : run.scaler->unscale(grads);
   }
   if (!out.skipped) {
     out.grad_norm = replicas ? replicas->clip_grad_norm(run.config.grad_clip)
+                    : pipe   ? pipe->clip_grad_norm(run.parameters(), run.config.grad_clip)
                              : clip_grad_norm(run.parameters(), run.config.grad_clip);
     out.update_started = true;
     run.optimizer->step(lr);
@@ -103,6 +108,7 @@ void rehearse_collectives(Run& run, int64_t step) {
 }
 
 void run_step(Run& run, const StepShape& shape, StepOutcome& out) {
+  if (run.pipeline) return run_pipeline_step(run, shape, out);
   seed_step(run.config.seed, shape.step, shape.rank);
   out = StepOutcome{};
   for (int64_t m = 0; m < shape.accum(); ++m) {
@@ -125,6 +131,7 @@ void run_step(Run& run, const StepShape& shape, StepOutcome& out) {
 
 double evaluate(Run& run, int64_t rows) {
   if (run.config.eval_rows == 0) return std::numeric_limits<double>::quiet_NaN();
+  if (run.pipeline) return evaluate_pipeline(run, rows);
   const c10::NoGradGuard no_grad;
   const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}, run.forward.gate};
   double loss_sum = 0;

@@ -26,6 +26,12 @@ at::Tensor model_loss(const CausalLM& model, const at::Tensor& inputs, const at:
   }
   const at::Tensor hidden = model.hidden_states(inputs, options, router);
   if (outputs) *outputs = hidden;
+  return head_loss(model, hidden, targets, loss);
+}
+
+at::Tensor head_loss(const CausalLM& model, const at::Tensor& hidden, const at::Tensor& targets,
+                     const LossSetting& loss) {
+  if (!loss.chunked) return token_loss(at::linear(hidden, model.head_weight()), targets);
   const ModelConfig& c = model.config();
   const int64_t chunk = chunk_tokens(loss, targets.numel(), c.vocab_size, c.hidden_size);
   return chunked_token_loss(hidden, model.head_weight(), targets, chunk);

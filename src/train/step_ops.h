@@ -26,4 +26,9 @@ at::Tensor model_loss(const CausalLM& model, const at::Tensor& inputs, const at:
                       const ForwardOptions& options, const LossSetting& loss, RouterOutput* router = nullptr,
                       at::Tensor* outputs = nullptr);
 
+// The loss of a model's final hidden states [B, T, hidden] through its head, as model_loss computes
+// it after the trunk (a pipeline's last stage).
+at::Tensor head_loss(const CausalLM& model, const at::Tensor& hidden, const at::Tensor& targets,
+                     const LossSetting& loss);
+
 }  // namespace headroom

@@ -230,7 +230,10 @@ void announce(const Run& run, int64_t start) {
   const std::string where =
       run.device.is_cuda() ? run.device.str() : fmt::format("cpu ({} threads)", at::get_num_threads());
   const std::string ranks =
-      run.comm ? fmt::format(" x {} ranks (--shard {})", run.ranks(), shard_level_name(c.shard)) : "";
+      run.pipeline ? fmt::format(" x {} pipeline stages (this rank: layers {}..{})", run.ranks(),
+                                 run.pipeline->layers().first, run.pipeline->layers().end - 1)
+      : run.comm   ? fmt::format(" x {} ranks (--shard {})", run.ranks(), shard_level_name(c.shard))
+                   : "";
   fmt::print(stderr,
              "headroom train: {} ({}, {:.2f}M params{}) on {}, {} ({} K tokens); batch {} x accum {}{} x seq {}, {}, "
              "{}, checkpointing {}, steps {}..{}{}\n",
@@ -251,7 +254,7 @@ StepRecord record_step(Run& run, int64_t step, const GuardedStep& g, Clock::time
   r.seconds = seconds_since(started);
   r.step = step + 1;
   r.loss = g.outcome.loss;
-  r.tokens = run.config.batch * run.config.accum * run.config.seq * run.ranks();
+  r.tokens = run.config.batch * run.config.accum * run.config.seq * run.data_ranks();
   if (run.comm) r.rank = run.rank();
   r.peak_bytes = r.memory.peak;
   r.live_bytes = run.probe->live_bytes();

@@ -1,0 +1,41 @@
+// PipelineLayout — how a run's layers are cut into pipeline stages (lever 6, model parallelism),
+// parsed once from --pipeline P and --pipeline-split. The machinery is dist/pipeline.h.
+//
+// Stage s holds layers [first, end) of its range; the embeddings sit on the first stage, the final
+// norm, the head and the loss on the last (and, with tied embeddings, a copy of the embedding there
+// as its head, kept equal to the first stage's).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace headroom {
+
+struct LayerRange {
+  int64_t first = 0, end = 0;  // layers [first, end)
+  bool operator==(const LayerRange&) const = default;
+};
+
+struct PipelineLayout {
+  int64_t stages = 1;             // --pipeline: 1 is no pipeline
+  std::vector<LayerRange> split;  // --pipeline-split; empty: balanced (stage_ranges)
+  bool operator==(const PipelineLayout&) const = default;
+};
+
+// "0:12,12:24": contiguous ranges from layer 0, each non-empty. Throws Error naming the accepted
+// form. The text of a split, as parse_pipeline_split reads it back.
+std::vector<LayerRange> parse_pipeline_split(const std::string& text);
+std::string pipeline_split_text(const std::vector<LayerRange>& split);
+
+// Each stage's layers for a model of `layers` layers whose layer i holds `layer_params[i]`
+// parameters (all equal for most models), the embeddings `embed_params` and the head (with the
+// final norm) `head_params`: the split when one is given (checked against the model: its ranges
+// must cover 0..layers and there must be `stages` of them), else the contiguous cut whose largest
+// stage (its layers plus, at the ends, the embeddings or the head) holds the fewest parameters,
+// ties going to the earlier stages holding fewer layers (stage 0 keeps the most micro-batches in
+// flight). Throws Error when `stages` exceeds the layers, or the split does not fit the model.
+std::vector<LayerRange> stage_ranges(const PipelineLayout& layout, const std::vector<int64_t>& layer_params,
+                                     int64_t embed_params, int64_t head_params);
+
+}  // namespace headroom

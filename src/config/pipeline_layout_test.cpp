@@ -1,0 +1,66 @@
+// --pipeline-split's parsing and the stage cut: contiguous ranges, and the balanced cut against
+// hand-computed optima.
+#include "config/pipeline_layout.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "util/error.h"
+
+namespace headroom {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PipelineLayout, ASplitReadsBackAsWritten) {
+  const std::vector<LayerRange> split = parse_pipeline_split("0:12,12:20,20:24");
+  EXPECT_EQ(split, (std::vector<LayerRange>{{0, 12}, {12, 20}, {20, 24}}));
+  EXPECT_EQ(pipeline_split_text(split), "0:12,12:20,20:24");
+}
+
+TEST(PipelineLayout, ABadSplitSaysWhatIsAccepted) {
+  EXPECT_THAT(error_of([] { parse_pipeline_split("0:12,13:24"); }), HasSubstr("should start at layer 12"));
+  EXPECT_THAT(error_of([] { parse_pipeline_split("1:12"); }), HasSubstr("should start at layer 0"));
+  EXPECT_THAT(error_of([] { parse_pipeline_split("0:0"); }), HasSubstr("holds no layer"));
+  EXPECT_THAT(error_of([] { parse_pipeline_split("0-12"); }), HasSubstr("is not FIRST:END"));
+  EXPECT_THAT(error_of([] { parse_pipeline_split("0:x"); }), HasSubstr("not a layer number"));
+  EXPECT_THAT(error_of([] { parse_pipeline_split(""); }), HasSubstr("accepted: contiguous ranges"));
+}
+
+// Six layers of 10 parameters, embeddings of 25 and a head of 5, three stages. Each stage needs a
+// layer, so stage 0 holds at least 35; that is the optimum, and from the back the stages take as
+// many layers as it allows: the head's stage 3 (5 + 30), the middle 2 (20), stage 0 one (35).
+TEST(PipelineLayout, TheBalancedCutHasTheSmallestLargestStage) {
+  const std::vector<int64_t> layers(6, 10);
+  EXPECT_EQ(stage_ranges({3, {}}, layers, 25, 5), (std::vector<LayerRange>{{0, 1}, {1, 3}, {3, 6}}));
+  // Without embeddings or head to weigh, 6 equal layers in 2 stages: 3 each.
+  EXPECT_EQ(stage_ranges({2, {}}, layers, 0, 0), (std::vector<LayerRange>{{0, 3}, {3, 6}}));
+  // 7 layers in 2: the optimum 40 lets the last stage take 4.
+  EXPECT_EQ(stage_ranges({2, {}}, std::vector<int64_t>(7, 10), 0, 0), (std::vector<LayerRange>{{0, 3}, {3, 7}}));
+  // A large head (an untied vocabulary) pulls layers to the first stage: 10+10 | 10 + 25.
+  EXPECT_EQ(stage_ranges({2, {}}, std::vector<int64_t>(3, 10), 0, 25), (std::vector<LayerRange>{{0, 2}, {2, 3}}));
+  // One stage: everything.
+  EXPECT_EQ(stage_ranges({1, {}}, layers, 25, 5), (std::vector<LayerRange>{{0, 6}}));
+}
+
+TEST(PipelineLayout, AGivenSplitMustFitTheModel) {
+  const std::vector<int64_t> layers(4, 10);
+  EXPECT_EQ(stage_ranges({2, {{0, 1}, {1, 4}}}, layers, 0, 0), (std::vector<LayerRange>{{0, 1}, {1, 4}}));
+  EXPECT_THAT(error_of([&] { stage_ranges({2, {{0, 1}, {1, 3}}}, layers, 0, 0); }),
+              HasSubstr("ends at layer 3, and the model has 4 layers"));
+  EXPECT_THAT(error_of([&] { stage_ranges({3, {{0, 1}, {1, 4}}}, layers, 0, 0); }), HasSubstr("one range per stage"));
+  EXPECT_THAT(error_of([&] { stage_ranges({5, {}}, layers, 0, 0); }),
+              HasSubstr("--pipeline 5: the model has 4 layers"));
+}
+
+}  // namespace
+}  // namespace headroom
