@@ -114,9 +114,11 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "accumulation, precision, checkpointing and attention (the optimizer, its 8-bit states and its offload\n"
       "to host memory only where --allow lists them), peak predicted by the estimator, step time by a cost\n"
       "model calibrated with a few timed steps on this machine (and, where a plan offloads, timed copies\n"
-      "to host memory and back). With --world-size N (data parallel under torchrun) the\n"
-      "global batch is split over N ranks, peaks are per rank, and the shard level (none, optimizer,\n"
-      "gradients, full) is a lever, its collectives costed at an assumed link speed; nothing is launched (the\n"
+      "to host memory and back). With --world-size N (ranks under torchrun) the layout is a lever too:\n"
+      "P pipeline stages (each divisor of N up to the layers) of N/P data-parallel ranks, which split\n"
+      "the global batch, and the shard level (none, optimizer, gradients, full) within them; peaks are per\n"
+      "rank (the largest stage's), and the step's compute, pipeline bubble, transfers between stages and\n"
+      "collectives are printed, the last two at an assumed link speed; nothing is launched (the\n"
       "calibration times one process). Exit code 3 when nothing fits.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "seq", "seed", "device", "precision", "optimizer",
                                      "optimizer-impl", "moe-routing", "finetune", "base-weights", "offload", "loss", "memory-budget", "threads", "world-size", "json",
@@ -167,6 +169,8 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,
                    format_bytes(r.budget), 100 * r.margin);
         const bool ranks = world_size_of(cfg) > 1;
+        const bool pipelines = std::any_of(result.plans.begin(), result.plans.end(),
+                                           [](const Plan& p) { return p.pipeline.stages > 1; });
         const bool offloads = r.allow_offload || r.base.offload != Offload::none;
         const size_t n = std::min<size_t>(result.plans.size(), static_cast<size_t>(o->top));
         size_t offload_width = 7, loss_width = 4;
@@ -177,16 +181,35 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         auto offload_cell = [&](const std::string& text) {
           return offloads ? fmt::format("{:<{}} ", text, offload_width) : std::string();
         };
-        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{:>11} {:>10}\n", "micro", "accum", "precision",
-                   "checkpoint", "attn", "optimizer", "loss", loss_width, offload_cell("offload"),
-                   ranks ? fmt::format("{:<10} ", "shard") : "", ranks ? "peak/rank" : "peak", "step time");
+        fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{}{:>11} {:>10}\n", "micro", "accum",
+                   "precision", "checkpoint", "attn", "optimizer", "loss", loss_width, offload_cell("offload"),
+                   pipelines ? fmt::format("{:<9} ", "stages") : "", ranks ? fmt::format("{:<10} ", "shard") : "",
+                   ranks ? "peak/rank" : "peak", "step time");
         for (size_t i = 0; i < n; ++i) {
           const Plan& p = result.plans[i];
-          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{:>11} {:>9.2f}x\n", p.batch, p.accum,
+          fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{}{:>11} {:>9.2f}x\n", p.batch, p.accum,
                      precision_name(p.precision), p.checkpointing.name(), attention_path_name(p.attention),
                      optimizer_name(p.optimizer), p.loss.name(), loss_width, offload_cell(offload_name(p.offload)),
-                     ranks ? fmt::format("{:<10} ", shard_level_name(p.shard)) : "",
+                     pipelines ? fmt::format("{:<9} ", fmt::format("{}x{}", p.pipeline.stages, p.world)) : "",
+                     ranks ? fmt::format("{:<10} ", p.world > 1 ? shard_level_name(p.shard) : "-") : "",
                      format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
+        }
+        if (ranks && n > 0) {
+          const Plan& best = result.plans.front();
+          const Plan::Terms& t = best.terms;
+          fmt::print(
+              "\nThe fastest plan's step, {:.3g} s: compute {:.3g} s{}, pipeline bubble {:.3g} s, transfers between "
+              "stages {:.3g} s, data-parallel collectives {:.3g} s, other {:.3g} s (compute {}; collectives and "
+              "transfers at an assumed {:.0f} GB/s link).\n",
+              best.predicted_step_seconds, t.compute,
+              best.pipeline.stages > 1 ? fmt::format(" (each stage 1/{} of every micro-batch)", best.pipeline.stages)
+                                       : "",
+              t.bubble, t.pipeline_transfers, t.collectives, t.other,
+              result.calibrated ? "timed on this machine" : "not timed: FLOPs at an assumed 1 TFLOP/s",
+              CostModel::kLinkBytesPerSecond / 1e9);
+          if (pipelines) {
+            fmt::print("stages: pipeline stages x data-parallel ranks each; peak/rank is the largest stage's.\n");
+          }
         }
         if (offloads) {
           fmt::print("\nOffloaded bytes costed at {:.1f} GB/s each way to host memory ({}).\n",

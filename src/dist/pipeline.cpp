@@ -71,11 +71,13 @@ std::vector<at::Tensor> Pipeline::counted_gradients(const std::vector<NamedTenso
   return out;
 }
 
-double Pipeline::clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm) {
+double Pipeline::clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm,
+                                const std::function<void(at::Tensor&)>& data_sum) {
   const c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> counted = counted_gradients(params);
   at::Tensor squares = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
   if (!counted.empty()) squares = at::stack(at::_foreach_norm(counted, 2)).to(at::kFloat).pow(2).sum().reshape({1});
+  if (data_sum) data_sum(squares);
   comm_.allreduce(squares);
   const double norm = std::sqrt(squares.item<double>());
   if (max_norm > 0 && norm > max_norm) {

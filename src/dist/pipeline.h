@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -55,12 +56,18 @@ class Pipeline {
   // Waits for this stage's sends; at the end of each step's schedule.
   void finish_sends();
 
-  // After the last backward: the tied embedding's gradient summed between its two copies.
+  // After the last backward: the tied embedding's gradient summed between its two copies. `params`:
+  // what the optimizer updates, the parameters or (data parallel, sharded) this rank's slices of them,
+  // whose .grad is the gradient it will use; the first and last stage's ranks of the same
+  // data-parallel index hold the same slice.
   void reduce_tied(const std::vector<NamedTensor>& params);
-  // The gradients the global norm and the inf/NaN check count: the tied copy only on the first stage.
+  // The gradients the global norm counts: the tied copy only on the first stage.
   std::vector<at::Tensor> counted_gradients(const std::vector<NamedTensor>& params) const;
   // Clips the global gradient norm over every stage to max_norm (<= 0: no clipping); the norm before.
-  double clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm);
+  // `data_sum`, when given, sums the squares over the stage's data-parallel ranks first (each holds
+  // a slice of the gradients).
+  double clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm,
+                        const std::function<void(at::Tensor&)>& data_sum = {});
   double sum(double value);
   bool any(bool flag);
 

@@ -158,13 +158,16 @@ std::vector<float> read_floats(const std::filesystem::path& path) {
 // Trains `settings` on `stages` ranks with --pipeline and in one process, and compares every
 // parameter each stage holds with the one process's of the same name: the largest difference.
 // Every parameter must be held by some stage; a tied embedding's two copies must be equal bitwise.
-float largest_difference(const std::string& settings, int stages) {
+// With `ranks` a multiple of `stages`, each stage is trained by ranks / stages data-parallel ranks,
+// and `alone` is the one process's settings (the same global batch).
+float largest_difference(const std::string& settings, int stages, int ranks = 0, const std::string& alone_settings = "") {
+  if (ranks == 0) ranks = stages;
   TempDir dir;
-  const auto r = launch(stages, self(), "--gtest_also_run_disabled_tests --gtest_filter=PipelineWorker.*",
+  const auto r = launch(ranks, self(), "--gtest_also_run_disabled_tests --gtest_filter=PipelineWorker.*",
                         fmt::format("HEADROOM_TEST_RUN='{};pipeline={}' HEADROOM_TEST_OUT={}", settings, stages,
                                     dir.path()));
   EXPECT_EQ(r.code, 0) << r.out;
-  train(config_of(settings), dir.file("alone"));
+  train(config_of(alone_settings.empty() ? settings : alone_settings), dir.file("alone"));
   namespace fs = std::filesystem;
   float worst = 0;
   std::map<std::string, std::vector<float>> seen;
@@ -172,7 +175,7 @@ float largest_difference(const std::string& settings, int stages) {
     const std::string name = param.path().filename().string();
     const std::vector<float> alone = read_floats(param.path());
     int holders = 0;
-    for (int s = 0; s < stages; ++s) {
+    for (int s = 0; s < ranks; ++s) {
       const fs::path mine = fs::path(dir.file(fmt::format("rank{}", s))) / name;
       if (!fs::exists(mine)) continue;
       ++holders;
@@ -207,6 +210,43 @@ TEST(Pipeline, FourStagesOfATiedModelMatchOneProcess) {
       "model=gpt2;set=n_layer=4;set=embd_pdrop=0;set=attn_pdrop=0;set=resid_pdrop=0;steps=2;seq=16;batch=1;"
       "accum=4;optimizer=momentum;lr=0.01";
   EXPECT_LT(largest_difference(gpt2, 4), 1e-5f);
+}
+
+// 2 stages x 2 data-parallel ranks each, the optimizer state sharded over a stage's two ranks
+// (and the gradients too): the same weights as one process on the global batch of 8 rows, every
+// copy of a parameter (two per stage, and the tied embedding's) equal bitwise.
+TEST(Pipeline, TwoStagesOfTwoShardedRanksEachMatchOneProcess) {
+  const std::string gpt2 =
+      "model=gpt2;set=n_layer=2;set=embd_pdrop=0;set=attn_pdrop=0;set=resid_pdrop=0;steps=2;seq=16;accum=4;"
+      "optimizer=momentum;lr=0.01;shard=";
+  for (const char* level : {"optimizer", "gradients"}) {
+    SCOPED_TRACE(level);
+    EXPECT_LT(largest_difference(gpt2 + level + ";batch=1", 2, 4, gpt2 + "none;batch=2"), 1e-5f);
+  }
+}
+
+// 2 stages x 2 data-parallel ranks, gradients sharded within each stage: every rank's peak in every
+// step within 0.1% of its stage's estimate (estimate --world-size 4 --pipeline 2 --shard gradients).
+TEST(Pipeline, EveryRankOfTwoStagesOfTwoHasItsEstimatedPeak) {
+  TempDir dir;
+  const std::string shape =
+      "--device cpu --model gpt2 --set n_layer=4 --set n_embd=256 --set n_head=4 --seq 32 --batch 1 --accum 4 "
+      "--pipeline 2 --shard gradients";
+  const auto ranks = launch(4, HEADROOM_BINARY,
+                            "train " + shape + " --steps 2 --eval-rows 0 --quiet --metrics " + dir.file("m.jsonl"));
+  ASSERT_EQ(ranks.code, 0) << ranks.out;
+  const auto estimated =
+      run_command(fmt::format("{} estimate {} --world-size 4 --json --quiet", HEADROOM_BINARY, shape));
+  ASSERT_EQ(estimated.code, 0) << estimated.out;
+  const auto stages = nlohmann::json::parse(estimated.out).at("pipeline").at("stages");
+  ASSERT_EQ(stages.size(), 2u);
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    const auto predicted = stages[static_cast<size_t>(r / 2)].at("peak_bytes").get<double>();
+    for (const auto& step : read_jsonl(r == 0 ? dir.file("m.jsonl") : dir.file(fmt::format("m.rank{}.jsonl", r)))) {
+      EXPECT_NEAR(predicted, step.at("peak_bytes").get<double>(), predicted * 1e-3);
+    }
+  }
 }
 
 // The trainer's own report on 4 stages of GPT-2's vocabulary (tied), without dropout (each stage
@@ -280,8 +320,9 @@ TEST(Pipeline, ImpossibleLayoutsAreRefused) {
     std::string flags, says;
   };
   for (const Case& c : std::vector<Case>{
-           {2, "--pipeline 3", "--pipeline 3 needs 3 ranks"},
-           {2, "--pipeline 2 --shard optimizer", "--shard optimizer with --pipeline"},
+           {2, "--pipeline 3", "--pipeline 3 needs a multiple of 3 ranks"},
+           {2, "--pipeline 2 --shard optimizer", "--shard optimizer with --pipeline 2 on 2 ranks"},
+           {4, "--pipeline 2 --shard full", "--shard full with --pipeline: not supported yet"},
            {2, "--pipeline 2 --pipeline-split 0:1,1:3", "ends at layer 3"},
            {2, "--pipeline 2 --checkpoint " + TempDir().path(), "--checkpoint with --pipeline"},
        }) {

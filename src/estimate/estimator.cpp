@@ -67,7 +67,8 @@ nlohmann::json Estimate::to_json() const {
   if (!stages.empty()) {
     nlohmann::json each = nlohmann::json::array();
     for (const Stage& st : stages) {
-      each.push_back({{"first_layer", st.first_layer},
+      each.push_back({{"stage", st.stage},
+                      {"first_layer", st.first_layer},
                       {"end_layer", st.end_layer},
                       {"peak_bytes", st.peak_bytes},
                       {"peak_phase", std::string(phase_name(st.peak_phase))},
@@ -114,13 +115,11 @@ std::string Estimate::table() const {
     out += fmt::format("{:<26} {:>11} {:>6}  not on the device: what --offload keeps in host memory, at its own peak\n",
                        "host memory", format_bytes(host_bytes), "host");
   }
-  for (size_t k = 0; k < stages.size(); ++k) {
-    const Stage& st = stages[k];
+  for (const Stage& st : stages) {
     out += fmt::format("{:<26} {:>11} {:>6}  layers {}..{}, {} micro-batch{} in flight, peak in {}{}\n",
-                       fmt::format("pipeline stage {} (rank {})", k, k), format_bytes(st.peak_bytes), "",
-                       st.first_layer, st.end_layer - 1, st.in_flight, st.in_flight == 1 ? "" : "es",
-                       phase_name(st.peak_phase),
-                       static_cast<int64_t>(k) == stage ? "; the table above is this stage's" : "");
+                       fmt::format("pipeline stage {}", st.stage), format_bytes(st.peak_bytes), "", st.first_layer,
+                       st.end_layer - 1, st.in_flight, st.in_flight == 1 ? "" : "es", phase_name(st.peak_phase),
+                       st.stage == stage ? "; the table above is this stage's" : "");
   }
   if (experts) {
     const std::string assumed =
@@ -162,7 +161,14 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
   const std::vector<LayerRange> ranges = pipeline_stages(model, spec.pipeline);
   std::vector<Estimate> each;
   std::vector<Estimate::Stage> stages;
-  for (int64_t k = 0; k < spec.pipeline.stages; ++k) {
+  const int64_t last = spec.pipeline.stages - 1;
+  for (int64_t k = 0; k <= last; ++k) {
+    const LayerRange& mine = ranges[static_cast<size_t>(k)];
+    // A middle stage after one with as many layers holds fewer micro-batches in flight.
+    if (!spec.every_stage && k > 1 && k < last &&
+        ranges[static_cast<size_t>(k - 1)].end - ranges[static_cast<size_t>(k - 1)].first == mine.end - mine.first) {
+      continue;
+    }
     TrainSpec one = spec;
     one.stage = k;
     each.push_back(estimate(model, one));
@@ -172,14 +178,13 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
     for (Phase p : kStepPhases) {
       if (e.phase_peaks[static_cast<size_t>(p)] > e.phase_peaks[static_cast<size_t>(phase)]) phase = p;
     }
-    stages.push_back({ranges[static_cast<size_t>(k)].first, ranges[static_cast<size_t>(k)].end, e.step_peak(), phase,
-                      std::min(spec.pipeline.stages - k, spec.accum)});
+    stages.push_back({mine.first, mine.end, e.step_peak(), phase, std::min(spec.pipeline.stages - k, spec.accum), k});
   }
   const auto worst = std::max_element(each.begin(), each.end(), [](const Estimate& a, const Estimate& b) {
     return a.step_peak() < b.step_peak();
   });
   Estimate out = std::move(*worst);
-  out.stage = worst - each.begin();
+  out.stage = stages[static_cast<size_t>(worst - each.begin())].stage;
   out.stages = std::move(stages);
   return out;
 }
@@ -188,10 +193,9 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
 Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   if (spec.batch < 1 || spec.accum < 1 || spec.seq < 1) fail("estimate: batch, accum and seq must be at least 1");
   if (spec.pipeline.stages > 1) {
-    if (spec.world > 1) {
-      fail("--pipeline {} with {} data-parallel ranks: pipeline x data parallel is not supported yet (train refuses "
-           "it); accepted: --world-size {} (one rank per stage)",
-           spec.pipeline.stages, spec.world, spec.pipeline.stages);
+    if (spec.world > 1 && spec.shard == ShardLevel::full) {
+      fail("--shard full with --pipeline: not supported yet (train refuses it); accepted: --shard optimizer or "
+           "gradients");
     }
     if (spec.offload != Offload::none || !spec.finetune.full() || spec.base_weights != BaseWeights::dense) {
       fail("--pipeline with --offload, --finetune or --base-weights: not supported yet (train refuses them under "

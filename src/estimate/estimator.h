@@ -49,6 +49,10 @@ struct TrainSpec : StepSettings {
   // --pipeline P (StepSettings::pipeline): the stage to predict, 0 to P - 1; -1: every stage, the
   // estimate being the one with the highest peak. `world` counts the data-parallel ranks only.
   int64_t stage = -1;
+  // With stage -1: replay every stage (false: only the first of the stages alike in layers and
+  // position, which holds the most micro-batches in flight of them and so peaks highest; the
+  // planner's shortcut). Estimate::stages then lists the ones replayed.
+  bool every_stage = true;
 };
 
 struct EstimateItem {
@@ -93,6 +97,7 @@ struct Estimate {
     int64_t peak_bytes = 0;
     Phase peak_phase = Phase::idle;
     int64_t in_flight = 0;  // micro-batches whose activations it holds at once (1F1B)
+    int64_t stage = 0;
   };
   std::vector<Stage> stages;
   int64_t stage = -1;

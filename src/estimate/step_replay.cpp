@@ -102,8 +102,9 @@ void StepReplay::pipeline_schedule() {
   std::deque<InFlight> in_flight;
   Ref sent;  // held until the next send (dist/communicator.h)
   auto send = [&](Ref r) { sent = std::move(r); };
-  // The cycle repeats once every stage is past its warm-up: two steady micro-batches more show all of it.
-  const int64_t micro_batches = std::min(s_.accum, stages + 2);
+  // Past its warm-up the stage repeats one forward and one backward: two of them show the cycle whole
+  // (the second with the gradients the first left), and the cool-down holds fewer micro-batches.
+  const int64_t micro_batches = std::min(s_.accum, stages - stage + 1);
   for (const PipelineSlot& slot : one_f_one_b(stage, stages, micro_batches)) {
     if (slot.forward) {
       mem_.set_phase(Phase::data);
@@ -130,11 +131,14 @@ void StepReplay::pipeline_schedule() {
     in_flight.pop_front();
     g_->restore_nodes(std::move(f.nodes));
     if (last) {
+      dp_.start_micro_batch();
       backward_phase(std::move(f.output));
     } else {
       mem_.set_phase(Phase::backward);
       Ref grad = mem_.allocate(rows * t * h * ew_, transit);
+      dp_.start_micro_batch();
       g_->backward(f.output, grad);
+      dp_.after_backward();
       f.output = Tensor{};
       if (!first) {
         send(std::move(f.input.slot->grad));

@@ -119,6 +119,14 @@ double CostModel::state_lever_seconds(int64_t trainable_params, Precision precis
   return seconds;
 }
 
+double CostModel::pipeline_transfer_seconds(const ModelConfig& model, int64_t rows, int64_t seq, Precision precision,
+                                            int64_t stages, int64_t micro_batches) const {
+  if (stages <= 1) return 0;
+  const double bytes = static_cast<double>(rows * seq * model.hidden_size) * (precision == Precision::bf16 ? 2.0 : 4.0);
+  const auto transfers = static_cast<double>(2 * (micro_batches + stages - 2));
+  return transfers * (bytes / kLinkBytesPerSecond + kCollectiveLatencySeconds);
+}
+
 double CostModel::communication_seconds(const ModelConfig& model, Precision precision, int64_t world,
                                         ShardLevel shard, int64_t accum) const {
   if (world <= 1) return 0;

@@ -81,6 +81,13 @@ class CostModel {
   double communication_seconds(const ModelConfig& model, Precision precision, int64_t world, ShardLevel shard,
                                int64_t accum) const;
   static constexpr double kLinkBytesPerSecond = 5e9;
+  // Seconds a step's pipeline transfers add on the critical path of `stages` stages with
+  // `micro_batches` micro-batches of `rows` x `seq`: each micro-batch's activations [rows, seq,
+  // hidden] forward and their gradients back across each of the P - 1 boundaries, the 2(M + P - 2)
+  // transfers that 1F1B cannot overlap with compute, at kLinkBytesPerSecond and a latency each. 0
+  // for one stage.
+  double pipeline_transfer_seconds(const ModelConfig& model, int64_t rows, int64_t seq, Precision precision,
+                                   int64_t stages, int64_t micro_batches) const;
   // What the state levers add to a step, over the update of the optimizer they replace (not
   // measured; assumed constants): adamw8bit's blockwise loop, kQuantisedUpdateSeconds per trained
   // parameter; an offloaded optimizer, its gradients copied to the host and its parameters back over

@@ -91,8 +91,15 @@ nlohmann::json training_arguments(const Plan& p) {
         "model.parameters(), torch.optim.AdamW), None) to Trainer, or use DeepSpeed's "
         "zero_optimization.offload_optimizer {\"device\": \"cpu\", \"pin_memory\": true}");
   }
-  if (p.world > 1) {
-    notes.push_back(fmt::format("launch with torchrun --nproc-per-node {}; the batch sizes are per rank", p.world));
+  if (p.pipeline.stages > 1) {
+    notes.push_back(fmt::format(
+        "pipeline {} stages has no TrainingArguments setting: headroom train --pipeline {} under torchrun, or "
+        "torch.distributed.pipelining's Schedule1F1B with {} micro-batches",
+        p.pipeline.stages, p.pipeline.stages, p.accum));
+  }
+  if (p.ranks() > 1) {
+    notes.push_back(fmt::format("launch with torchrun --nproc-per-node {}; the batch sizes are per data-parallel rank",
+                                p.ranks()));
     if (p.shard == ShardLevel::gradients) args["fsdp"] = "shard_grad_op";
     if (p.shard == ShardLevel::full) args["fsdp"] = "full_shard";
     if (p.shard == ShardLevel::optimizer) {
@@ -163,6 +170,12 @@ nlohmann::json lightning_trainer_kwargs(const Plan& p) {
         "offload optimizer: return torchao.optim.CPUOffloadOptimizer(self.parameters(), {}) from "
         "configure_optimizers, or use strategy=\"deepspeed_stage_2_offload\"",
         torch_optimizer_class(p.optimizer)));
+  }
+  if (p.pipeline.stages > 1) {
+    notes.push_back(fmt::format(
+        "pipeline {} stages has no Lightning strategy: headroom train --pipeline {} under torchrun, or "
+        "torch.distributed.pipelining's Schedule1F1B in the module",
+        p.pipeline.stages, p.pipeline.stages));
   }
   if (p.world > 1) {
     trainer["devices"] = p.world;

@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <set>
+#include <thread>
 
 #include "estimate/estimator.h"
 #include "plan/levers.h"
@@ -22,7 +25,15 @@ nlohmann::json Plan::to_json() const {
           {"offload", offload_name(offload)},
           {"loss", loss.name()},
           {"shard", shard_level_name(shard)},
-          {"world_size", world},
+          {"world_size", ranks()},
+          {"pipeline", pipeline.stages},
+          {"data_parallel", world},
+          {"predicted_step_terms",
+           {{"compute_seconds", terms.compute},
+            {"bubble_seconds", terms.bubble},
+            {"pipeline_transfer_seconds", terms.pipeline_transfers},
+            {"collective_seconds", terms.collectives},
+            {"other_seconds", terms.other}}},
           {"predicted_peak_bytes", predicted_peak_bytes},
           {"predicted_step_seconds", predicted_step_seconds},
           {"predicted_step_time_ratio", predicted_step_time_ratio}};
@@ -35,8 +46,12 @@ std::string Plan::describe() const {
   return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}{}{}", batch, accum,
                      precision_name(precision), checkpointing.name(), attention_path_name(attention),
                      optimizer_name(optimizer), offloaded, loss.chunked ? ", chunked loss" : "",
-                     world > 1 ? fmt::format(", on each of {} ranks with --shard {}", world, shard_level_name(shard))
-                               : "");
+                     pipeline.stages > 1
+                         ? fmt::format(", {} pipeline stages x {} rank{} each{}", pipeline.stages, world,
+                                       world == 1 ? "" : "s",
+                                       world > 1 ? fmt::format(" with --shard {}", shard_level_name(shard)) : "")
+                     : world > 1 ? fmt::format(", on each of {} ranks with --shard {}", world, shard_level_name(shard))
+                                 : "");
 }
 
 nlohmann::json PlanResult::to_json() const {
@@ -44,10 +59,46 @@ nlohmann::json PlanResult::to_json() const {
   for (const Plan& p : plans) list.push_back(p.to_json());
   return {{"plans", list},
           {"considered", considered},
+          {"calibrated", calibrated},
           {"host_link", {{"bytes_per_second", host_link_bytes_per_second}, {"measured", host_link_measured}}}};
 }
 
 namespace {
+
+// Every spec's estimate, on as many threads as the machine has cores; the first error (in the
+// specs' order) is rethrown.
+std::vector<Estimate> estimate_all(const ModelConfig& model, const std::vector<TrainSpec>& specs) {
+  std::vector<Estimate> out(specs.size());
+  std::vector<std::exception_ptr> errors(specs.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < specs.size(); i = next++) {
+      try {
+        out[i] = estimate(model, specs[i]);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    }
+  };
+  const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 64);
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min(threads, specs.size()); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return out;
+}
+
+// The pipeline depths to consider on `world` ranks: its divisors up to the layers (1 among them).
+std::vector<int64_t> layout_stages(int64_t world, int64_t layers) {
+  std::vector<int64_t> out;
+  for (int64_t p = 1; p <= std::min(world, layers); ++p) {
+    if (world % p == 0) out.push_back(p);
+  }
+  return out;
+}
 
 std::vector<int64_t> micro_batches(int64_t global) {
   std::set<int64_t> out;
@@ -66,12 +117,6 @@ PlanResult fitting_plans(const PlanRequest& r) {
   if (r.global_batch < 1) fail("--global-batch must be positive, got {}", r.global_batch);
   if (r.budget <= 0) fail("the planner needs a memory budget (--memory-budget SIZE)");
   const int64_t world = world_size_of(r.base);
-  if (r.global_batch % world != 0) {
-    fail("--global-batch {} is not a multiple of --world-size {}: each rank trains an equal share; accepted: {} or {}",
-         r.global_batch, world, r.global_batch / world * world > 0 ? r.global_batch / world * world : world,
-         (r.global_batch / world + 1) * world);
-  }
-  const int64_t per_rank = r.global_batch / world;
   const ModelConfig model = load_model_config(r.base.model, r.base.overrides);
   TrainSpec base_spec = train_spec(r.base);
   const double limit = static_cast<double>(r.budget) * (1.0 - r.margin);
@@ -80,6 +125,15 @@ PlanResult fitting_plans(const PlanRequest& r) {
   if (base_spec.caching) base_spec.budget = static_cast<int64_t>(limit);
   PlanResult out;
   out.smallest_peak = -1;
+  std::vector<TrainSpec> candidates;
+  // The layouts: P pipeline stages (a divisor of the ranks, at most one per layer) of world / P
+  // data-parallel ranks each; P > 1 where train runs a pipeline (every parameter trained, nothing
+  // offloaded), and its rows are split over the data-parallel ranks only.
+  for (int64_t stages : layout_stages(world, model.num_layers)) {
+  if (stages > 1 && (!r.base.finetune.full() || r.base.offload != Offload::none)) continue;
+  const int64_t data_ranks = world / stages;
+  if (r.global_batch % data_ranks != 0) continue;
+  const int64_t per_rank = r.global_batch / data_ranks;
   for (int64_t micro : micro_batches(per_rank)) {
     for (Precision precision : precision_settings(r.base.precision)) {
       for (const CheckpointPolicy& checkpointing : checkpoint_settings(model)) {
@@ -88,8 +142,9 @@ PlanResult fitting_plans(const PlanRequest& r) {
                optimizer_settings(r.base.optimizer, r.allow_optimizer_change, r.allow_adamw8bit)) {
             for (Offload offload : offload_settings(r.base.offload, r.allow_offload, world)) {
             if (!trainable_where(optimizer, offload, base_spec.cuda)) continue;
-            for (ShardLevel shard : shard_settings(world)) {
-            for (const LossSetting& loss : loss_settings(r.base.loss, shard, world)) {
+            for (ShardLevel shard : shard_settings(data_ranks)) {
+            if (stages > 1 && shard == ShardLevel::full) continue;  // train refuses it
+            for (const LossSetting& loss : loss_settings(r.base.loss, shard, data_ranks)) {
               TrainSpec spec = base_spec;
               spec.loss = loss;
               spec.batch = micro;
@@ -99,25 +154,12 @@ PlanResult fitting_plans(const PlanRequest& r) {
               spec.attention = attention;
               spec.optimizer = optimizer;
               spec.offload = offload;
-              spec.world = world;
+              spec.world = data_ranks;
               spec.shard = shard;
-              const Estimate e = estimate(model, spec);
-              const int64_t peak = e.peak_bytes;
-              const bool segments_fit = !(e.reserved && e.reserved->oom);
-              ++out.considered;
-              Plan p;
-              p.step() = spec.step();
-              p.world = world;
-              p.predicted_peak_bytes = peak;
-              p.trainable_params = e.trainable_params;
-              for (const EstimateItem& item : e.host_items) {
-                if (item.name == "offloaded activations") p.offloaded_activation_bytes = item.bytes;
-              }
-              if (out.smallest_peak < 0 || peak < out.smallest_peak) {
-                out.smallest_peak = peak;
-                out.smallest_peak_plan = p.describe();
-              }
-              if (static_cast<double>(peak) <= limit && segments_fit) out.plans.push_back(p);
+              spec.pipeline = PipelineLayout{stages, {}};
+              spec.stage = -1;
+              spec.every_stage = false;
+              candidates.push_back(spec);
             }
             }
             }
@@ -125,6 +167,35 @@ PlanResult fitting_plans(const PlanRequest& r) {
         }
       }
     }
+  }
+  }
+  if (candidates.empty()) {
+    fail("--global-batch {} is not a multiple of --world-size {} (nor of its data-parallel ranks in any pipeline "
+         "layout): each data-parallel rank trains an equal share; accepted: {} or {}",
+         r.global_batch, world, r.global_batch / world * world > 0 ? r.global_batch / world * world : world,
+         (r.global_batch / world + 1) * world);
+  }
+  // Estimated side by side, each on its own (a replay shares nothing), and kept in the order above.
+  const std::vector<Estimate> estimates = estimate_all(model, candidates);
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const TrainSpec& spec = candidates[i];
+    const Estimate& e = estimates[i];
+    const int64_t peak = e.peak_bytes;
+    const bool segments_fit = !(e.reserved && e.reserved->oom);
+    ++out.considered;
+    Plan p;
+    p.step() = spec.step();
+    p.world = spec.world;
+    p.predicted_peak_bytes = peak;
+    p.trainable_params = e.trainable_params;
+    for (const EstimateItem& item : e.host_items) {
+      if (item.name == "offloaded activations") p.offloaded_activation_bytes = item.bytes;
+    }
+    if (out.smallest_peak < 0 || peak < out.smallest_peak) {
+      out.smallest_peak = peak;
+      out.smallest_peak_plan = p.describe();
+    }
+    if (static_cast<double>(peak) <= limit && segments_fit) out.plans.push_back(p);
   }
   return out;
 }
@@ -140,16 +211,25 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
   // On cuda activation offload copies beside the compute stream (model/activation_offload.h).
   const bool overlapped = train_spec(r.base).cuda;
   for (Plan& p : plans.plans) {
-    p.predicted_step_seconds = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
-                                                 p.checkpointing, p.attention, p.loss.chunked) +
-                               cost.activation_offload_seconds(p.offloaded_activation_bytes, p.accum,
-                                                               overlapped ? cost.layers_forward_seconds(
-                                                                                model, p.batch, r.base.seq,
-                                                                                p.precision, p.attention)
-                                                                          : 0.0,
-                                                               model.num_layers) +
-                               cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) +
-                               cost.state_lever_seconds(p.trainable_params, p.precision, p.optimizer, p.offload);
+    const auto stages = static_cast<double>(p.pipeline.stages), m = static_cast<double>(p.accum);
+    // A data-parallel rank's micro-batches, each stage doing 1/P of every one; under 1F1B the last
+    // micro-batch leaves its stage P - 1 stage-times after the first could have: the bubble.
+    const double work = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
+                                          p.checkpointing, p.attention, p.loss.chunked);
+    p.terms.compute = work / stages;
+    p.terms.bubble = work / stages * (stages - 1) / m;
+    p.terms.pipeline_transfers = cost.pipeline_transfer_seconds(model, p.batch, r.base.seq, p.precision,
+                                                                p.pipeline.stages, p.accum);
+    // Each stage's data-parallel ranks reduce (and gather) its parameters, about 1/P of them.
+    p.terms.collectives = cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) / stages;
+    p.terms.other = cost.activation_offload_seconds(p.offloaded_activation_bytes, p.accum,
+                                                    overlapped ? cost.layers_forward_seconds(model, p.batch, r.base.seq,
+                                                                                             p.precision, p.attention)
+                                                               : 0.0,
+                                                    model.num_layers) +
+                    cost.state_lever_seconds(p.trainable_params, p.precision, p.optimizer, p.offload) / stages;
+    p.predicted_step_seconds =
+        p.terms.compute + p.terms.bubble + p.terms.pipeline_transfers + p.terms.collectives + p.terms.other;
   }
   // Ties (an uncalibrated model sees only FLOPs; float sums differ in the last bits): fewer, larger
   // micro-batches, then the smaller peak.
@@ -208,6 +288,7 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
     if (progress) progress("measuring the host link the offloaded bytes cross (64 MiB copies each way)");
     if (const std::optional<double> bytes_per_second = link()) cost.set_host_link(*bytes_per_second);
   }
+  result.calibrated = cost.calibrated();
   result.host_link_bytes_per_second = cost.host_link();
   result.host_link_measured = cost.host_link_measured();
   rank_plans(result, r, cost);
@@ -217,7 +298,7 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
 Plan plan_of(const RunConfig& c) {
   Plan p;
   p.step() = c.step();
-  p.world = world_size_of(c);
+  p.world = std::max<int64_t>(1, world_size_of(c) / c.pipeline.stages);
   return p;
 }
 

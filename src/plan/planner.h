@@ -24,11 +24,20 @@ namespace headroom {
 // precision, checkpointing, optimizer, attention, shard level; the sequence length and the optimizer
 // update's kind are the request's), over `world` ranks, with what it is predicted to cost.
 struct Plan : StepSettings {
-  int64_t world = 1;  // data-parallel ranks; batch and accum are per rank
+  // Data-parallel ranks (of each pipeline stage; StepSettings::pipeline gives the stages, so the
+  // plan's ranks are world x pipeline.stages); batch and accum are per data-parallel rank.
+  int64_t world = 1;
   int64_t predicted_peak_bytes = 0;  // per rank
   int64_t trainable_params = 0;      // what the update touches (the state levers' cost)
   int64_t offloaded_activation_bytes = 0;  // --offload activations: a micro-batch's, to the host and back
   double predicted_step_seconds = 0;
+  // Its terms, as rank_plans costs them: the micro-batches' compute (spread over the stages), the
+  // pipeline's bubble (stages idle while it fills and drains), the activations and gradients sent
+  // between stages, the data-parallel collectives, and the state levers' and offloading's extra.
+  struct Terms {
+    double compute = 0, bubble = 0, pipeline_transfers = 0, collectives = 0, other = 0;
+  } terms;
+  int64_t ranks() const { return world * pipeline.stages; }
   double predicted_step_time_ratio = 1;  // to the best plan's
   nlohmann::json to_json() const;
   // "micro-batch 2 x accum 16, bf16-mixed, checkpointing every:2, flash attention, adamw"
@@ -54,7 +63,9 @@ struct PlanResult {
   // whether it was measured on this machine (or assumed: no calibration, or no plan offloads).
   double host_link_bytes_per_second = CostModel::kHostLinkBytesPerSecond;
   bool host_link_measured = false;
-  nlohmann::json to_json() const;  // {"plans": [...], "considered", "host_link": {...}}
+  // Whether step times come from timed steps on this machine (else FLOPs at an assumed 1e12 per second).
+  bool calibrated = false;
+  nlohmann::json to_json() const;  // {"plans": [...], "considered", "calibrated", "host_link": {...}}
 };
 
 // Stage 1: every candidate the estimator says fits (unranked; step times not yet set).

@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <stdexcept>
 
 #include "estimate/estimator.h"
@@ -155,11 +158,15 @@ TEST(Planner, ShardsTheWeightsOnlyWhenNothingLessFits) {
   r.budget = (full + gradients) / 2;
   PlanResult tight = fitting_plans(r);
   ASSERT_FALSE(tight.plans.empty());
+  int data_parallel = 0;
   for (const Plan& p : tight.plans) {
+    if (p.pipeline.stages > 1) continue;  // 2 stages of 8 layers each halve the weights too
+    ++data_parallel;
     EXPECT_EQ(p.shard, ShardLevel::full) << p.describe();
     EXPECT_EQ(p.world, 2);
     EXPECT_EQ(p.batch * p.accum, 1) << "the global batch of 2 split over the 2 ranks";
   }
+  EXPECT_GT(data_parallel, 0);
   r.budget = gradients * 11 / 10;
   PlanResult roomy = fitting_plans(r);
   rank_plans(roomy, r, CostModel::flops_only());
@@ -172,6 +179,72 @@ TEST(Planner, ShardsTheWeightsOnlyWhenNothingLessFits) {
   ASSERT_LT(first(ShardLevel::gradients), roomy.plans.size());
   ASSERT_LT(first(ShardLevel::full), roomy.plans.size());
   EXPECT_LT(first(ShardLevel::gradients), first(ShardLevel::full));
+}
+
+// On 4 ranks the layouts are 1, 2 and 4 pipeline stages of 4, 2 and 1 data-parallel ranks. Each
+// plan's peak is its layout's estimate (every stage replayed); its terms follow 1F1B: the bubble is
+// (P - 1)/M of the compute, and 2(M + P - 2) transfers of a micro-batch's activations cross the
+// stages' links.
+TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
+  RunConfig base;
+  base.model = "llama-3.2-1b";
+  base.overrides = {"num_hidden_layers=4"};
+  base.seq = 32;
+  base.device = "cpu";
+  base.world_size = 4;
+  PlanRequest r;
+  r.base = base;
+  r.global_batch = 8;
+  r.margin = 0;
+  r.budget = int64_t{1} << 40;
+  PlanResult all = fitting_plans(r);
+  rank_plans(all, r, CostModel::flops_only());
+  const ModelConfig model = load_model_config(base.model, base.overrides);
+  std::set<int64_t> layouts;
+  for (const Plan& p : all.plans) {
+    SCOPED_TRACE(p.describe());
+    layouts.insert(p.pipeline.stages);
+    EXPECT_EQ(p.ranks(), 4);
+    EXPECT_EQ(p.batch * p.accum * p.world, 8) << "the global batch over the data-parallel ranks";
+    const auto stages = static_cast<double>(p.pipeline.stages), m = static_cast<double>(p.accum);
+    EXPECT_DOUBLE_EQ(p.terms.bubble, p.terms.compute * (stages - 1) / m);
+    const double transfer = static_cast<double>(p.batch * base.seq * model.hidden_size * 4) / 5e9 + 50e-6;
+    EXPECT_NEAR(p.terms.pipeline_transfers, p.pipeline.stages == 1 ? 0.0 : 2 * (m + stages - 2) * transfer, 1e-12);
+    if (p.pipeline.stages > 1) EXPECT_NE(p.shard, ShardLevel::full);
+  }
+  EXPECT_EQ(layouts, (std::set<int64_t>{1, 2, 4}));
+  // A pipeline plan's peak is the largest stage's, every stage replayed.
+  for (const Plan& p : all.plans) {
+    if (p.pipeline.stages == 1 || p.accum < 2) continue;
+    RunConfig c = with_plan(base, p);
+    TrainSpec spec = train_spec(c);
+    EXPECT_EQ(spec.world, p.world);
+    EXPECT_EQ(estimate(model, spec).peak_bytes, p.predicted_peak_bytes) << p.describe();
+    break;
+  }
+}
+
+// The planner's shortcut (only the first of the middle stages alike in layers) finds the same worst
+// stage as replaying all: Llama-3.2-1B's 16 layers in 2, 4, 8 and 16 stages.
+TEST(Planner, TheStageShortcutFindsTheWorstStage) {
+  const ModelConfig model = load_model_config("llama-3.2-1b", {});
+  for (int64_t stages : {2, 4, 8, 16}) {
+    for (int64_t accum : {1, 3, 32}) {
+      SCOPED_TRACE(fmt::format("{} stages, {} micro-batches", stages, accum));
+      TrainSpec spec;
+      spec.seq = 64;
+      spec.batch = 2;
+      spec.accum = accum;
+      spec.pipeline.stages = stages;
+      const Estimate every = estimate(model, spec);
+      spec.every_stage = false;
+      const Estimate some = estimate(model, spec);
+      EXPECT_EQ(every.stages.size(), static_cast<size_t>(stages));
+      EXPECT_LE(some.stages.size(), every.stages.size());
+      EXPECT_EQ(some.peak_bytes, every.peak_bytes);
+      EXPECT_EQ(some.stage, every.stage);
+    }
+  }
 }
 
 TEST(CostModel, CountsRecomputeAndTheFixedCostOfEachMicroBatch) {

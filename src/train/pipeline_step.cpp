@@ -60,11 +60,15 @@ void stage_backward(Run& run, InFlight& f) {
   auto phase = run.monitor->phase(Phase::backward);
   at::Tensor grad;
   if (!pipe.last()) grad = pipe.recv_backward(f.output.sizes(), activation_options(run));
+  // Data parallel within the stage: each micro-batch's gradients reduced as its backward completes
+  // them (--shard gradients), or the hooks' bookkeeping only.
+  if (run.replicas) run.replicas->begin_micro_batch();
   if (pipe.last()) {
     (run.scaler ? run.scaler->scale(f.output) : f.output).backward();
   } else {
     f.output.backward(grad);
   }
+  if (run.replicas) run.replicas->end_backward();
   f.output.reset();
   if (!pipe.first()) pipe.send_backward(f.input.grad());
   f.input.reset();
@@ -74,7 +78,7 @@ void stage_backward(Run& run, InFlight& f) {
 
 void run_pipeline_step(Run& run, const StepShape& shape, StepOutcome& out) {
   Pipeline& pipe = *run.pipeline;
-  seed_step(run.config.seed, shape.step, static_cast<int>(pipe.stage()));
+  seed_step(run.config.seed, shape.step, run.rank());  // each stage and data-parallel rank its own masks
   out = StepOutcome{};
   double loss_sum = 0;
   std::deque<InFlight> in_flight;
@@ -88,7 +92,8 @@ void run_pipeline_step(Run& run, const StepShape& shape, StepOutcome& out) {
     }
   }
   pipe.finish_sends();
-  out.loss = pipe.sum(loss_sum);  // the last stage's
+  out.loss = pipe.sum(loss_sum);  // the last stage's, of this rank's rows
+  if (run.replicas) out.loss = run.replicas->sum(out.loss);
   update(run, run.schedule.at(shape.step), out);
   clear_gradients(run);
 }

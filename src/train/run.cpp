@@ -137,20 +137,36 @@ void load_model_config_and_data(Run& run, const RunConfig& cfg) {
   run.data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
 }
 
-// --pipeline P: this rank's stage, every rank one (data parallel across pipelines is not built yet).
+// --pipeline P: this rank's stage, and with D = ranks / P data-parallel ranks per stage, its two
+// groups: the pipeline of its data-parallel index (ranks d, D + d, ...) and the ranks of its stage
+// (s·D .. s·D + D - 1), neighbours on a node as data parallel's larger transfers want them.
 void place_pipeline(Run& run, const RunConfig& cfg) {
-  const int64_t p = cfg.pipeline.stages;
-  if (!run.comm || run.ranks() != p) {
-    fail("--pipeline {} needs {} ranks, one per stage, and this process is one of {}; accepted: torchrun "
-         "--nproc-per-node {} (pipeline x data parallel is not supported yet)",
+  const int p = static_cast<int>(cfg.pipeline.stages);
+  if (!run.comm || run.ranks() % p != 0) {
+    fail("--pipeline {} needs a multiple of {} ranks (stages x data-parallel ranks), and this process is one of {}; "
+         "accepted: torchrun --nproc-per-node {} (or a multiple)",
          p, p, run.ranks(), p);
   }
-  if (cfg.shard != ShardLevel::none) {
-    fail("--shard {} with --pipeline: the shard levels split state over data-parallel ranks, and a pipeline of {} "
-         "ranks has none; accepted: --shard none",
-         shard_level_name(cfg.shard), p);
+  const int d = run.ranks() / p, stage = run.rank() / d, index = run.rank() % d;
+  if (d == 1 && cfg.shard != ShardLevel::none) {
+    fail("--shard {} with --pipeline {} on {} ranks: the shard levels split state over the data-parallel ranks of "
+         "a stage, and there is one; accepted: --shard none, or more ranks",
+         shard_level_name(cfg.shard), p, run.ranks());
   }
-  run.pipeline = std::make_unique<Pipeline>(*run.comm, pipeline_stages(run.model_config, cfg.pipeline),
+  if (cfg.shard == ShardLevel::full) {
+    fail("--shard full with --pipeline: not supported yet (several micro-batches in flight would each gather the "
+         "stage's layers); accepted: --shard optimizer or gradients");
+  }
+  Communicator* stages = run.comm.get();
+  if (d > 1) {
+    std::vector<int> pipeline_ranks, stage_ranks;
+    for (int s = 0; s < p; ++s) pipeline_ranks.push_back(s * d + index);
+    for (int k = 0; k < d; ++k) stage_ranks.push_back(stage * d + k);
+    run.pipeline_comm = std::make_unique<Communicator>(*run.comm, pipeline_ranks, fmt::format("pipeline_{}", index));
+    run.data_comm = std::make_unique<Communicator>(*run.comm, stage_ranks, fmt::format("stage_{}", stage));
+    stages = run.pipeline_comm.get();
+  }
+  run.pipeline = std::make_unique<Pipeline>(*stages, pipeline_stages(run.model_config, cfg.pipeline),
                                             run.model_config.tie_word_embeddings);
 }
 
@@ -234,8 +250,10 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
 void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> slices) {
   OptimizerOptions options;
   options.weight_decay = cfg.weight_decay_value();
-  if (run.comm && !run.pipeline) {
-    run.replicas = std::make_unique<DataParallel>(*run.comm, run.model->parameters(), cfg.shard,
+  // Data parallel over every rank, or over the ranks of this pipeline stage when there are several.
+  Communicator* data = run.pipeline ? run.data_comm.get() : run.comm.get();
+  if (data) {
+    run.replicas = std::make_unique<DataParallel>(*data, run.model->parameters(), cfg.shard,
                                                   run.model->parameter_units(), std::move(slices));
     DataParallel* replicas = run.replicas.get();
     run.forward.gate = replicas->gate();

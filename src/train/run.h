@@ -49,7 +49,10 @@ struct Run {
   std::unique_ptr<CausalLM> model;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<DataParallel> replicas;  // with comm; before the model in destruction (its hooks)
-  std::unique_ptr<Pipeline> pipeline;      // --pipeline P: this rank's stage (no data parallel then)
+  // --pipeline P: this rank's stage; with more ranks than stages, `replicas` works over the ranks that
+  // hold the same stage. Rank r holds stage r / D as data-parallel rank r % D of D = ranks / P.
+  std::unique_ptr<Communicator> pipeline_comm, data_comm;
+  std::unique_ptr<Pipeline> pipeline;
   std::optional<LossScaler> scaler;  // fp16-mixed
   std::unique_ptr<MemoryMonitor> monitor;
   LrSchedule schedule;
@@ -64,9 +67,9 @@ struct Run {
   const std::vector<NamedTensor>& parameters() const { return model->parameters(); }
   int rank() const { return comm ? comm->rank() : 0; }
   int ranks() const { return comm ? comm->size() : 1; }
-  // The data-parallel ranks, which split the global batch's rows: every rank but a pipeline's.
-  int data_rank() const { return pipeline ? 0 : rank(); }
-  int data_ranks() const { return pipeline ? 1 : ranks(); }
+  // The data-parallel ranks, which split the global batch's rows (a pipeline's stages do not).
+  int data_rank() const { return replicas ? replicas->comm().rank() : 0; }
+  int data_ranks() const { return replicas ? replicas->comm().size() : 1; }
   // cuda with RunConfig::leak_origins: allocations are tagged with their step and phase.
   bool records_origins() const { return origins_; }
   // --offload optimizer: host memory at its peak since the probe's last reset (cpu: the host pool),

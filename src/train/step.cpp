@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 
 #include "device/autocast_adapter.h"
@@ -53,7 +54,14 @@ void update(Run& run, double lr, StepOutcome& out) {
   DataParallel* replicas = run.replicas.get();
   Pipeline* pipe = run.pipeline.get();
   if (replicas) replicas->reduce_gradients();
-  if (pipe) pipe->reduce_tied(run.parameters());
+  // What the optimizer updates: the parameters, or this rank's slices of them (sharded).
+  const std::vector<NamedTensor>& updated = replicas ? replicas->optimizer_parameters() : run.parameters();
+  if (pipe) pipe->reduce_tied(updated);
+  // Whether a rank saw a non-finite gradient: over the data-parallel ranks, then over the stages.
+  const std::function<bool(bool)> across = [replicas, pipe](bool found) {
+    if (replicas) found = replicas->any(found);
+    return pipe ? pipe->any(found) : found;
+  };
   if (run.scaler) {
     // fp16: gradients back to their true scale first; a step with an inf or NaN (on any rank) is skipped.
     std::vector<at::Tensor> grads;
@@ -64,14 +72,18 @@ void update(Run& run, double lr, StepOutcome& out) {
         if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
       }
     }
-    out.skipped = replicas ? run.scaler->unscale(grads, [replicas](bool found) { return replicas->any(found); })
-                  : pipe   ? run.scaler->unscale(grads, [pipe](bool found) { return pipe->any(found); })
-                           : run.scaler->unscale(grads);
+    out.skipped = replicas || pipe ? run.scaler->unscale(grads, across) : run.scaler->unscale(grads);
   }
   if (!out.skipped) {
-    out.grad_norm = replicas ? replicas->clip_grad_norm(run.config.grad_clip)
-                    : pipe   ? pipe->clip_grad_norm(run.parameters(), run.config.grad_clip)
-                             : clip_grad_norm(run.parameters(), run.config.grad_clip);
+    if (pipe) {
+      // Sharded, each of the stage's data-parallel ranks holds a part of its gradients.
+      std::function<void(at::Tensor&)> data_sum;
+      if (replicas && replicas->sharded()) data_sum = [replicas](at::Tensor& t) { replicas->comm().allreduce(t); };
+      out.grad_norm = pipe->clip_grad_norm(updated, run.config.grad_clip, data_sum);
+    } else {
+      out.grad_norm = replicas ? replicas->clip_grad_norm(run.config.grad_clip)
+                               : clip_grad_norm(run.parameters(), run.config.grad_clip);
+    }
     out.update_started = true;
     run.optimizer->step(lr);
     if (replicas) replicas->gather_parameters();

@@ -230,7 +230,10 @@ void announce(const Run& run, int64_t start) {
   const std::string where =
       run.device.is_cuda() ? run.device.str() : fmt::format("cpu ({} threads)", at::get_num_threads());
   const std::string ranks =
-      run.pipeline ? fmt::format(" x {} pipeline stages (this rank: layers {}..{})", run.ranks(),
+      run.pipeline ? fmt::format(" x {} pipeline stages{} (this rank: layers {}..{})", run.pipeline->stages(),
+                                 run.replicas ? fmt::format(" x {} ranks each (--shard {})", run.data_ranks(),
+                                                            shard_level_name(c.shard))
+                                              : "",
                                  run.pipeline->layers().first, run.pipeline->layers().end - 1)
       : run.comm   ? fmt::format(" x {} ranks (--shard {})", run.ranks(), shard_level_name(c.shard))
                    : "";
@@ -421,7 +424,8 @@ TrainResult train(const RunConfig& cfg) {
   result.summary.ranks = run.ranks();
   // Every rank ends here together (an OOM, a divergence and an interrupt are agreed on), except
   // after an OOM inside the update, where the others are waiting in a collective.
-  if (run.comm && !(result.oom && result.oom->during_update)) {
+  // A pipeline's stage that ran out of memory leaves the others inside their schedules.
+  if (run.comm && !(result.oom && (result.oom->during_update || run.pipeline))) {
     at::Tensor mine = at::full({1}, result.summary.peak_bytes, at::kLong);
     at::Tensor all = at::empty({run.ranks()}, at::kLong);
     run.comm->allgather(all, mine);
