@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <thread>
 
 #include "cli/run_flags.h"
 #include "device/device.h"
@@ -27,6 +28,8 @@ struct PlanOptions {
   bool calibrate = true;
   int64_t top = 10;
   std::string emit;  // "hf", "lightning", "torch" or "toml": the best plan as settings to paste
+  double flops = 1e12;                             // --flops-per-second
+  double link = CostModel::kLinkBytesPerSecond;    // --link-bytes-per-second
 };
 
 // The best plan as the settings --emit names: Python source, or a run file.
@@ -67,6 +70,9 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
   r.global_batch = o.global_batch;
   r.budget = device_budget(cfg, command);
   r.margin = o.margin;
+  r.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  r.assumed_flops = o.flops;
+  r.link_bytes_per_second = o.link;
   r.allow_optimizer_change = o.allow_optimizer_change;
   for (const std::string& lever : o.allow) {
     if (lever == "optimizer") r.allow_optimizer_change = true;
@@ -143,6 +149,15 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
                   "LightningModule enables), torch (a plain loop: accumulation, autocast, checkpointing) or\n"
                   "toml (a run file for headroom train --config)")
       ->check(CLI::IsMember({"hf", "lightning", "torch", "toml"}));
+  cmd->add_option("--flops-per-second", o->flops,
+                  "compute rate assumed when steps are not timed (--no-calibrate, or planning for a device this\n"
+                  "machine lacks): a card's realised dense rate, e.g. 4e14 for an H100 at 40% of its bf16 peak\n"
+                  "(default 1e12)")
+      ->check(CLI::Range(1e6, 1e18));
+  cmd->add_option("--link-bytes-per-second", o->link,
+                  "the link between ranks that collectives and pipeline transfers cross, bytes a second each way\n"
+                  "(default 5e9; NVLink within a node is nearer 3e11, InfiniBand between nodes 2.5e10 to 5e10)")
+      ->check(CLI::Range(1e6, 1e13));
   cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all)")->check(CLI::Range(1, 100000));
   cmd->callback([config, o, &run] {
     run = [config, o]() -> int {
@@ -200,13 +215,14 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
           fmt::print(
               "\nThe fastest plan's step, {:.3g} s: compute {:.3g} s{}, pipeline bubble {:.3g} s, transfers between "
               "stages {:.3g} s, data-parallel collectives {:.3g} s, other {:.3g} s (compute {}; collectives and "
-              "transfers at an assumed {:.0f} GB/s link).\n",
+              "transfers at an assumed {:.3g} GB/s link).\n",
               best.predicted_step_seconds, t.compute,
               best.pipeline.stages > 1 ? fmt::format(" (each stage 1/{} of every micro-batch)", best.pipeline.stages)
                                        : "",
               t.bubble, t.pipeline_transfers, t.collectives, t.other,
-              result.calibrated ? "timed on this machine" : "not timed: FLOPs at an assumed 1 TFLOP/s",
-              CostModel::kLinkBytesPerSecond / 1e9);
+              result.calibrated ? "timed on this machine"
+                                : fmt::format("not timed: FLOPs at an assumed {:.3g} FLOP/s", result.assumed_flops),
+              result.link_bytes_per_second / 1e9);
           if (pipelines) {
             fmt::print("stages: pipeline stages x data-parallel ranks each; peak/rank is the largest stage's.\n");
           }

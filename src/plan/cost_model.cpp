@@ -124,7 +124,7 @@ double CostModel::pipeline_transfer_seconds(const ModelConfig& model, int64_t ro
   if (stages <= 1) return 0;
   const double bytes = static_cast<double>(rows * seq * model.hidden_size) * (precision == Precision::bf16 ? 2.0 : 4.0);
   const auto transfers = static_cast<double>(2 * (micro_batches + stages - 2));
-  return transfers * (bytes / kLinkBytesPerSecond + kCollectiveLatencySeconds);
+  return transfers * (bytes / link_ + kCollectiveLatencySeconds);
 }
 
 double CostModel::communication_seconds(const ModelConfig& model, Precision precision, int64_t world,
@@ -158,13 +158,13 @@ double CostModel::communication_seconds(const ModelConfig& model, Precision prec
       break;
     }
   }
-  return volume / kLinkBytesPerSecond + collectives * kCollectiveLatencySeconds;
+  return volume / link_ + collectives * kCollectiveLatencySeconds;
 }
 
 double CostModel::step_seconds(const ModelConfig& model, int64_t micro, int64_t global_rows, int64_t seq,
                                Precision precision, const CheckpointPolicy& checkpointing,
                                AttentionPath attention, bool chunked_loss) const {
-  StepTimeFit fit{0, 1e-12};
+  StepTimeFit fit{0, 1.0 / assumed_flops_};
   if (auto it = fits_.find(precision); it != fits_.end()) fit = it->second;
   const int64_t full = global_rows / micro, rest = global_rows % micro;
   double seconds = static_cast<double>(full) *
@@ -188,7 +188,7 @@ double CostModel::activation_offload_seconds(int64_t bytes, int64_t micro_batche
 
 double CostModel::layers_forward_seconds(const ModelConfig& c, int64_t micro, int64_t seq, Precision precision,
                                          AttentionPath attention) const {
-  StepTimeFit fit{0, 1e-12};
+  StepTimeFit fit{0, 1.0 / assumed_flops_};
   if (auto it = fits_.find(precision); it != fits_.end()) fit = it->second;
   const double tokens = static_cast<double>(micro * seq);
   const double head = static_cast<double>(c.vocab_size * c.hidden_size);

@@ -99,12 +99,21 @@ class CostModel {
   static constexpr double kHostLinkBytesPerSecond = 2e10;
   static constexpr double kHostUpdateSeconds = 2e-9;
   static constexpr double kCollectiveLatencySeconds = 50e-6;
+  // Uncalibrated, a micro-batch's FLOPs at this rate (default 1e12 a second); and the link the
+  // collectives and pipeline transfers cross, bytes a second each way per rank (default
+  // kLinkBytesPerSecond). Both assumed, as given (plan --flops-per-second, --link-bytes-per-second).
+  void set_assumed_flops(double per_second) { assumed_flops_ = per_second; }
+  double assumed_flops() const { return assumed_flops_; }
+  void set_link(double bytes_per_second) { link_ = bytes_per_second; }
+  double link() const { return link_; }
   bool calibrated() const { return !fits_.empty(); }
   const std::map<Precision, StepTimeFit>& fits() const { return fits_; }
 
  private:
   std::map<Precision, StepTimeFit> fits_;
   double host_link_ = kHostLinkBytesPerSecond;
+  double assumed_flops_ = 1e12;
+  double link_ = kLinkBytesPerSecond;
   bool host_link_measured_ = false;
 };
 

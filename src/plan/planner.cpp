@@ -60,14 +60,15 @@ nlohmann::json PlanResult::to_json() const {
   return {{"plans", list},
           {"considered", considered},
           {"calibrated", calibrated},
+          {"assumed_flops_per_second", calibrated ? nlohmann::json() : nlohmann::json(assumed_flops)},
+          {"link_bytes_per_second", link_bytes_per_second},
           {"host_link", {{"bytes_per_second", host_link_bytes_per_second}, {"measured", host_link_measured}}}};
 }
 
 namespace {
 
-// Every spec's estimate, on as many threads as the machine has cores; the first error (in the
-// specs' order) is rethrown.
-std::vector<Estimate> estimate_all(const ModelConfig& model, const std::vector<TrainSpec>& specs) {
+// Every spec's estimate, on `threads` threads; the first error (in the specs' order) is rethrown.
+std::vector<Estimate> estimate_all(const ModelConfig& model, const std::vector<TrainSpec>& specs, int threads) {
   std::vector<Estimate> out(specs.size());
   std::vector<std::exception_ptr> errors(specs.size());
   std::atomic<size_t> next{0};
@@ -80,9 +81,10 @@ std::vector<Estimate> estimate_all(const ModelConfig& model, const std::vector<T
       }
     }
   };
-  const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 64);
   std::vector<std::thread> pool;
-  for (size_t t = 1; t < std::min(threads, specs.size()); ++t) pool.emplace_back(work);
+  for (size_t t = 1; t < std::min(static_cast<size_t>(std::clamp(threads, 1, 256)), specs.size()); ++t) {
+    pool.emplace_back(work);
+  }
   work();
   for (std::thread& t : pool) t.join();
   for (const std::exception_ptr& e : errors) {
@@ -176,7 +178,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
          (r.global_batch / world + 1) * world);
   }
   // Estimated side by side, each on its own (a replay shares nothing), and kept in the order above.
-  const std::vector<Estimate> estimates = estimate_all(model, candidates);
+  const std::vector<Estimate> estimates = estimate_all(model, candidates, r.threads);
   for (size_t i = 0; i < candidates.size(); ++i) {
     const TrainSpec& spec = candidates[i];
     const Estimate& e = estimates[i];
@@ -288,7 +290,11 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
     if (progress) progress("measuring the host link the offloaded bytes cross (64 MiB copies each way)");
     if (const std::optional<double> bytes_per_second = link()) cost.set_host_link(*bytes_per_second);
   }
+  cost.set_assumed_flops(r.assumed_flops);
+  cost.set_link(r.link_bytes_per_second);
   result.calibrated = cost.calibrated();
+  result.assumed_flops = r.assumed_flops;
+  result.link_bytes_per_second = r.link_bytes_per_second;
   result.host_link_bytes_per_second = cost.host_link();
   result.host_link_measured = cost.host_link_measured();
   rank_plans(result, r, cost);

@@ -52,6 +52,13 @@ struct PlanRequest {
   bool allow_optimizer_change = false;  // any optimizer (they change the training dynamics)
   bool allow_adamw8bit = false;         // Adam's or AdamW's update with 8-bit states (--allow adamw8bit)
   bool allow_offload = false;           // the optimizer, the activations or both in host memory (--allow offload)
+  // Assumed where not measured (CostModel): the compute rate when steps are not timed, and the link
+  // between ranks.
+  double assumed_flops = 1e12;
+  double link_bytes_per_second = CostModel::kLinkBytesPerSecond;
+  // Threads the candidates' estimates run on. 1 where the caller holds a lock the estimator's
+  // LibTorch calls may want on another thread (Python's GIL: the module plans on one).
+  int threads = 1;
 };
 
 struct PlanResult {
@@ -63,8 +70,11 @@ struct PlanResult {
   // whether it was measured on this machine (or assumed: no calibration, or no plan offloads).
   double host_link_bytes_per_second = CostModel::kHostLinkBytesPerSecond;
   bool host_link_measured = false;
-  // Whether step times come from timed steps on this machine (else FLOPs at an assumed 1e12 per second).
+  // Whether step times come from timed steps on this machine (else FLOPs at the request's assumed
+  // rate), and the link between ranks they were costed at.
   bool calibrated = false;
+  double assumed_flops = 1e12;
+  double link_bytes_per_second = CostModel::kLinkBytesPerSecond;
   nlohmann::json to_json() const;  // {"plans": [...], "considered", "calibrated", "host_link": {...}}
 };
 
