@@ -217,8 +217,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
               "stages {:.3g} s, data-parallel collectives {:.3g} s, other {:.3g} s (compute {}; collectives and "
               "transfers at an assumed {:.3g} GB/s link).\n",
               best.predicted_step_seconds, t.compute,
-              best.pipeline.stages > 1 ? fmt::format(" (each stage 1/{} of every micro-batch)", best.pipeline.stages)
-                                       : "",
+              best.pipeline.stages > 1
+                  ? fmt::format(" (the {} stages' largest share of every micro-batch)", best.pipeline.stages)
+                  : "",
               t.bubble, t.pipeline_transfers, t.collectives, t.other,
               result.calibrated ? "timed on this machine"
                                 : fmt::format("not timed: FLOPs at an assumed {:.3g} FLOP/s", result.assumed_flops),

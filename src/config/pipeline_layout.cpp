@@ -86,16 +86,33 @@ std::vector<LayerRange> stage_ranges(const PipelineLayout& layout, const std::ve
       }
     }
   }
-  // From the last stage back, each taking as many layers as the optimum allows: the earlier stages,
-  // which keep more micro-batches in flight, hold fewer.
+  // Among the cuts within the optimum, the most even (the smallest sum of squared stage sizes), so
+  // that no stage is left nearly empty; of equally even ones, the one whose earlier stages, which
+  // keep more micro-batches in flight, hold fewer layers.
   const int64_t optimum = best[p][layers];
+  constexpr double kNoCut = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> even(static_cast<size_t>(p) + 1,
+                                        std::vector<double>(static_cast<size_t>(layers) + 1, kNoCut));
+  std::vector<std::vector<int64_t>> from(even.size(), std::vector<int64_t>(static_cast<size_t>(layers) + 1, -1));
+  even[0][0] = 0;
+  for (int64_t s = 1; s <= p; ++s) {
+    for (int64_t i = s; i <= layers; ++i) {
+      // On a tie the earliest split point stays: this stage takes more layers, the earlier ones fewer.
+      for (int64_t j = s - 1; j < i; ++j) {
+        const int64_t w = weight(s - 1, j, i);
+        if (even[s - 1][j] == kNoCut || w > optimum) continue;
+        const double cost = even[s - 1][j] + static_cast<double>(w) * static_cast<double>(w);
+        if (cost < even[s][i]) {
+          even[s][i] = cost;
+          from[s][i] = j;
+        }
+      }
+    }
+  }
   std::vector<LayerRange> out(static_cast<size_t>(p));
   int64_t end = layers;
   for (int64_t s = p; s >= 1; --s) {
-    int64_t first = s - 1;
-    while (!(best[s - 1][first] != kNone && best[s - 1][first] <= optimum && weight(s - 1, first, end) <= optimum)) {
-      ++first;
-    }
+    const int64_t first = from[s][end];
     out[static_cast<size_t>(s - 1)] = {first, end};
     end = first;
   }

@@ -32,9 +32,10 @@ std::string pipeline_split_text(const std::vector<LayerRange>& split);
 // parameters (all equal for most models), the embeddings `embed_params` and the head (with the
 // final norm) `head_params`: the split when one is given (checked against the model: its ranges
 // must cover 0..layers and there must be `stages` of them), else the contiguous cut whose largest
-// stage (its layers plus, at the ends, the embeddings or the head) holds the fewest parameters,
-// ties going to the earlier stages holding fewer layers (stage 0 keeps the most micro-batches in
-// flight). Throws Error when `stages` exceeds the layers, or the split does not fit the model.
+// stage (its layers plus, at the ends, the embeddings or the head) holds the fewest parameters, and
+// of those the most even (the smallest sum of squared stage sizes), ties going to the earlier stages
+// holding fewer layers (stage 0 keeps the most micro-batches in flight). Throws Error when `stages`
+// exceeds the layers, or the split does not fit the model.
 std::vector<LayerRange> stage_ranges(const PipelineLayout& layout, const std::vector<int64_t>& layer_params,
                                      int64_t embed_params, int64_t head_params);
 

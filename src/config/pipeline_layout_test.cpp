@@ -37,11 +37,21 @@ TEST(PipelineLayout, ABadSplitSaysWhatIsAccepted) {
 }
 
 // Six layers of 10 parameters, embeddings of 25 and a head of 5, three stages. Each stage needs a
-// layer, so stage 0 holds at least 35; that is the optimum, and from the back the stages take as
-// many layers as it allows: the head's stage 3 (5 + 30), the middle 2 (20), stage 0 one (35).
+// layer, so stage 0 holds at least 35; that is the optimum. Within it the middle and last stages
+// share 5 layers as 2 + 3 (35, 20, 35: squares 2850) or 3 + 2 (35, 30, 25: 2750, the more even).
 TEST(PipelineLayout, TheBalancedCutHasTheSmallestLargestStage) {
   const std::vector<int64_t> layers(6, 10);
-  EXPECT_EQ(stage_ranges({3, {}}, layers, 25, 5), (std::vector<LayerRange>{{0, 1}, {1, 3}, {3, 6}}));
+  EXPECT_EQ(stage_ranges({3, {}}, layers, 25, 5), (std::vector<LayerRange>{{0, 1}, {1, 4}, {4, 6}}));
+  // 80 layers of 10 with embeddings and head of 12 in 16 stages: the optimum is 6 layers (5 cannot
+  // hold 80 once the ends carry 12 more), and the even cut gives the ends 4 and the middle 5 or 6
+  // (4 + 4 + 14 stages of 72 layers): no stage of one layer beside stages of six.
+  const std::vector<LayerRange> cut = stage_ranges({16, {}}, std::vector<int64_t>(80, 10), 12, 12);
+  ASSERT_EQ(cut.size(), 16u);
+  for (size_t k = 0; k < cut.size(); ++k) {
+    const int64_t n = cut[k].end - cut[k].first;
+    EXPECT_GE(n, 4) << "stage " << k;
+    EXPECT_LE(n, 6) << "stage " << k;
+  }
   // Without embeddings or head to weigh, 6 equal layers in 2 stages: 3 each.
   EXPECT_EQ(stage_ranges({2, {}}, layers, 0, 0), (std::vector<LayerRange>{{0, 3}, {3, 6}}));
   // 7 layers in 2: the optimum 40 lets the last stage take 4.

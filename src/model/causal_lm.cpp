@@ -147,10 +147,10 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   const int64_t kv_dim = c.num_kv_heads * c.head_dim;
   const int64_t inter = c.intermediate_size;
   const bool layer_norm = c.norm == NormKind::layer_norm;
-  if (stage_.end < 0) stage_.end = c.num_layers;
+  if (base_weights_ == BaseWeights::nf4 && !stage_.whole()) fail("--base-weights nf4 with --pipeline: not supported");
+  if (stage_.end < 0) stage_.end = c.num_layers;  // from here stage_.whole() is false: `end` is set
   TORCH_CHECK(stage_.first >= 0 && stage_.first < stage_.end && stage_.end <= c.num_layers,
               "CausalLM: stage layers [", stage_.first, ", ", stage_.end, ") outside the model's ", c.num_layers);
-  if (base_weights_ == BaseWeights::nf4 && !stage_.whole()) fail("--base-weights nf4 with --pipeline: not supported");
 
   // Allocate on the target device directly; init happens after, on CPU copies.
   embed_ = add_param("embed_tokens.weight", {c.vocab_size, d});

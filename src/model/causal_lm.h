@@ -45,7 +45,7 @@ struct ForwardOptions {
 struct ModelStage {
   int64_t first = 0, end = -1;  // end -1: to the last layer
   bool embeddings = true, head = true;
-  bool whole() const { return first == 0 && end < 0 && embeddings && head; }
+  bool whole() const { return first == 0 && end < 0 && embeddings && head; }  // as given (CausalLM sets `end`)
 };
 
 class CausalLM {

@@ -9,6 +9,7 @@
 #include <set>
 #include <thread>
 
+#include "dist/pipeline_schedule.h"
 #include "estimate/estimator.h"
 #include "plan/levers.h"
 #include "util/error.h"
@@ -214,12 +215,19 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
   const bool overlapped = train_spec(r.base).cuda;
   for (Plan& p : plans.plans) {
     const auto stages = static_cast<double>(p.pipeline.stages), m = static_cast<double>(p.accum);
-    // A data-parallel rank's micro-batches, each stage doing 1/P of every one; under 1F1B the last
-    // micro-batch leaves its stage P - 1 stage-times after the first could have: the bubble.
+    // A data-parallel rank's micro-batches, each stage doing its layers' share of every one, the
+    // stage with the most layers setting the pace; under 1F1B the last micro-batch leaves its stage
+    // P - 1 stage-times after the first could have: the bubble.
     const double work = cost.step_seconds(model, p.batch, r.global_batch / p.world, r.base.seq, p.precision,
                                           p.checkpointing, p.attention, p.loss.chunked);
-    p.terms.compute = work / stages;
-    p.terms.bubble = work / stages * (stages - 1) / m;
+    double share = 1;
+    if (p.pipeline.stages > 1) {
+      int64_t most = 0;
+      for (const LayerRange& range : pipeline_stages(model, p.pipeline)) most = std::max(most, range.end - range.first);
+      share = static_cast<double>(most) / static_cast<double>(model.num_layers);
+    }
+    p.terms.compute = work * share;
+    p.terms.bubble = p.terms.compute * (stages - 1) / m;
     p.terms.pipeline_transfers = cost.pipeline_transfer_seconds(model, p.batch, r.base.seq, p.precision,
                                                                 p.pipeline.stages, p.accum);
     // Each stage's data-parallel ranks reduce (and gather) its parameters, about 1/P of them.

@@ -208,6 +208,10 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
     EXPECT_EQ(p.batch * p.accum * p.world, 8) << "the global batch over the data-parallel ranks";
     const auto stages = static_cast<double>(p.pipeline.stages), m = static_cast<double>(p.accum);
     EXPECT_DOUBLE_EQ(p.terms.bubble, p.terms.compute * (stages - 1) / m);
+    // 4 layers cut evenly: each stage does 1/P of the layers' work (the head's FLOPs counted with it).
+    const double work = CostModel::flops_only().step_seconds(model, p.batch, 8 / p.world, base.seq, p.precision,
+                                                             p.checkpointing, p.attention, p.loss.chunked);
+    EXPECT_DOUBLE_EQ(p.terms.compute, work / stages);
     const double transfer = static_cast<double>(p.batch * base.seq * model.hidden_size * 4) / 5e9 + 50e-6;
     EXPECT_NEAR(p.terms.pipeline_transfers, p.pipeline.stages == 1 ? 0.0 : 2 * (m + stages - 2) * transfer, 1e-12);
     if (p.pipeline.stages > 1) EXPECT_NE(p.shard, ShardLevel::full);
