@@ -101,7 +101,7 @@ void run_pipeline_step(Run& run, const StepShape& shape, StepOutcome& out) {
 double evaluate_pipeline(Run& run, int64_t rows) {
   Pipeline& pipe = *run.pipeline;
   const c10::NoGradGuard no_grad;
-  const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}, nullptr};
+  const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}, nullptr, nullptr};
   double loss_sum = 0;
   int64_t tokens = 0;
   for (const Batch& b : run.data->eval_batches(rows, run.config.eval_rows)) {
