@@ -4,11 +4,17 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "config/run_config.h"
 #include "testing/command.h"
+#include "testing/temp_dir.h"
 
 namespace headroom::data_parallel_testing {
 
@@ -39,6 +45,37 @@ inline testing::CommandResult launch(int ranks, const std::string& program, cons
   return testing::run_command(
       fmt::format("env OMP_NUM_THREADS=1 {} {} --standalone --no-python --nproc-per-node {} {} {} 2>&1", env,
                   torchrun(), ranks, program, args));
+}
+
+// Two ranks launched by hand (rank 0 hosts the store) training tiny with `flags` and a 10 s
+// --dist-timeout; rank 1 gets `signal` (KILL, STOP) once rank 0 has finished a step. What rank 0
+// did then: its exit code, the milliseconds it took to end after the signal, its stderr.
+struct PeerLoss {
+  int rc = -1, ms = -1;
+  std::string err, script_out;
+};
+inline PeerLoss lose_peer(const std::string& flags, const char* signal) {
+  testing::TempDir dir;
+  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  const std::string run = fmt::format(
+      "env OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT={} WORLD_SIZE=2 {{}} {} train --device cpu --model "
+      "tiny --steps 100000 --seq 32 --batch 2 --eval-rows 0 --quiet --dist-timeout 10 --metrics {} {}",
+      port, HEADROOM_BINARY, dir.file("m.jsonl"), flags);
+  const std::string script = fmt::format(
+      "RANK=0 {} 2>{} & P0=$!; RANK=1 {} 2>/dev/null & P1=$!; "
+      // Once rank 0 has finished a step, the other goes.
+      "for i in $(seq 600); do [ -s {} ] && break; sleep 0.1; done; kill -{} $P1; "
+      "S=$(date +%s%N); wait $P0; RC=$?; E=$(date +%s%N); kill -9 $P1 2>/dev/null; "
+      "echo \"rc=$RC ms=$(( (E - S) / 1000000 ))\"",
+      fmt::format(fmt::runtime(run), "RANK=0"), dir.file("err"), fmt::format(fmt::runtime(run), "RANK=1"),
+      dir.file("m.jsonl"), signal);
+  std::ofstream(dir.file("s.sh")) << script;
+  PeerLoss out;
+  out.script_out = testing::run_command("bash " + dir.file("s.sh")).out;
+  std::ifstream e(dir.file("err"));
+  out.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+  if (std::sscanf(out.script_out.c_str(), "rc=%d ms=%d", &out.rc, &out.ms) != 2) out.rc = out.ms = -1;
+  return out;
 }
 
 // tiny: llama, untied, vocabulary 256; 2 micro-batches, weight decay and clipping on; momentum, whose

@@ -283,33 +283,15 @@ TEST(Pipeline, EveryStagesPeakIsItsEstimateAndBelowOneProcess) {
   }
 }
 
-// Two stages launched by hand (rank 0 hosts the store); the last stage is killed once training
-// runs, and the first ends with one line saying so, well within its timeout.
+// The last of two stages is killed once training runs: the first ends with one line saying so,
+// well within its timeout.
 TEST(Pipeline, AKilledStageEndsTheOtherWithAnError) {
-  TempDir dir;
-  const int port = 20000 + static_cast<int>((::getpid() + 7919) % 20000);
-  const std::string run = fmt::format(
-      "env OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT={} WORLD_SIZE=2 {{}} {} train --device cpu --model "
-      "tiny --steps 100000 --seq 32 --batch 2 --accum 2 --eval-rows 0 --quiet --dist-timeout 10 --pipeline 2 "
-      "--metrics {}",
-      port, HEADROOM_BINARY, dir.file("m.jsonl"));
-  const std::string script = fmt::format(
-      "RANK=0 {} 2>{} & P0=$!; RANK=1 {} 2>/dev/null & P1=$!; "
-      "for i in $(seq 600); do [ -s {} ] && break; sleep 0.1; done; kill -KILL $P1; "
-      "S=$(date +%s%N); wait $P0; RC=$?; E=$(date +%s%N); "
-      "echo \"rc=$RC ms=$(( (E - S) / 1000000 ))\"",
-      fmt::format(fmt::runtime(run), "RANK=0"), dir.file("err"), fmt::format(fmt::runtime(run), "RANK=1"),
-      dir.file("m.jsonl"));
-  std::ofstream(dir.file("s.sh")) << script;
-  const auto r = run_command("bash " + dir.file("s.sh"));
-  std::ifstream e(dir.file("err"));
-  const std::string err((std::istreambuf_iterator<char>(e)), std::istreambuf_iterator<char>());
-  int rc = -1, ms = -1;
-  ASSERT_EQ(std::sscanf(r.out.c_str(), "rc=%d ms=%d", &rc, &ms), 2) << r.out;
-  EXPECT_EQ(rc, kExitUsage) << err;
-  EXPECT_LT(ms, 40'000) << "the 10 s timeout (and the time to report) was not kept";
-  EXPECT_THAT(err, ::testing::HasSubstr("rank 0: lost contact with"));
-  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  const data_parallel_testing::PeerLoss r = data_parallel_testing::lose_peer("--accum 2 --pipeline 2", "KILL");
+  ASSERT_GE(r.ms, 0) << r.script_out;
+  EXPECT_EQ(r.rc, kExitUsage) << r.err;
+  EXPECT_LT(r.ms, 40'000) << "the 10 s timeout (and the time to report) was not kept";
+  EXPECT_THAT(r.err, ::testing::HasSubstr("rank 0: lost contact with"));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 // Layouts that cannot work are refused before anything trains, in one line each.
