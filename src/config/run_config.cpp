@@ -268,14 +268,14 @@ const std::vector<RunField>& run_fields() {
              "is per rank, the global batch is batch x accum x ranks",
              &RunConfig::shard, &parse_shard_level, &shard_level_name),
       {"pipeline", Kind::integer,
-       "under torchrun: cut the layers into P pipeline stages, one per rank, trained with a 1F1B schedule "
-       "(--accum is the number of micro-batches in flight; the embeddings on the first stage, the head and loss "
-       "on the last); 1: no pipeline",
+       "under torchrun: cut the layers into P pipeline stages trained with a 1F1B schedule (--accum micro-batches "
+       "a step; the embeddings on the first stage, the head and loss on the last); the ranks are P x D, each stage "
+       "trained by D data-parallel ranks (--shard none, optimizer or gradients among them); 1: no pipeline",
        [](RunConfig& c, const std::string& s) { c.pipeline.stages = parse_int("pipeline", s); },
        [](const RunConfig& c) { return Texts{std::to_string(c.pipeline.stages)}; }},
       {"pipeline-split", Kind::text,
-       "with --pipeline: each stage's layers, as FIRST:END ranges (0:12,12:24); default: the cut whose largest "
-       "stage holds the fewest parameters, earlier stages taking fewer layers",
+       "with --pipeline: each stage's layers, as FIRST:END ranges (0:12,12:24); default: of the cuts whose largest "
+       "stage holds the fewest parameters, the most even, earlier stages taking fewer layers on a tie",
        [](RunConfig& c, const std::string& s) { c.pipeline.split = s.empty() ? std::vector<LayerRange>{} : parse_pipeline_split(s); },
        [](const RunConfig& c) { return Texts{pipeline_split_text(c.pipeline.split)}; }},
       integer("world-size",
