@@ -8,6 +8,7 @@
 
 #include "cli/run_flags.h"
 #include "estimate/estimator.h"
+#include "model/tensor_parallel.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/size.h"
@@ -21,10 +22,12 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
                          "reserved memory, by replaying the step through PyTorch's allocator policy.\n"
                          "With --memory-budget, also say whether it fits (exit code 3 when it does not): with a\n"
                          "caching allocator, by reserved memory under that cap.\n"
-                         "With --pipeline P, each stage's peak (one rank each, 1F1B); the table is the largest's.");
+                         "With --pipeline P, each stage's peak (one rank each, 1F1B); the table is the largest's.\n"
+                         "With --tensor-parallel T, one rank's share of each layer and of the vocabulary (the last\n"
+                         "rank's, which holds the most vocabulary rows).");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "batch", "accum", "seq", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "loss",
                                      "precision", "checkpointing", "optimizer", "optimizer-impl", "memory-budget",
-                                     "allocator", "allocator-conf", "world-size", "shard", "pipeline", "pipeline-split", "json",
+                                     "allocator", "allocator-conf", "world-size", "shard", "pipeline", "pipeline-split", "tensor-parallel", "json",
                                      "quiet"});
   cmd->callback([config, &run] {
     run = [config]() -> int {
@@ -40,6 +43,11 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
       const bool fits = !budget || (e.peak_bytes <= *budget && !(e.reserved && e.reserved->oom));
       if (cfg.json) {
         nlohmann::json j = e.to_json();
+        if (spec.tensor_parallel > 1) {
+          j["tensor_parallel"] = {{"ranks", spec.tensor_parallel},
+                                  {"rank", spec.tensor_parallel - 1},
+                                  {"kv_replication", kv_replication_note(model, spec.tensor_parallel)}};
+        }
         if (budget) {
           j["budget_bytes"] = *budget;
           j["fits"] = fits;
@@ -58,7 +66,16 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
             spec.loss.chunked ? ", loss " + spec.loss.name() : "",
             spec.offload == Offload::none ? "" : fmt::format(", offload {}", offload_name(spec.offload)),
             spec.cuda ? "cuda" : "cpu",
-            spec.world > 1                ? fmt::format("; per rank (rank 0), --shard {}", shard_level_name(spec.shard))
+            spec.tensor_parallel > 1
+                ? fmt::format("; per rank: the share of tensor-parallel rank {} of {}{}{}", spec.tensor_parallel - 1,
+                              spec.tensor_parallel,
+                              spec.world > 1 ? fmt::format(", --shard {} over {} data-parallel ranks",
+                                                           shard_level_name(spec.shard), spec.world)
+                                             : "",
+                              kv_replication_note(model, spec.tensor_parallel).empty()
+                                  ? ""
+                                  : "; " + kv_replication_note(model, spec.tensor_parallel))
+            : spec.world > 1              ? fmt::format("; per rank (rank 0), --shard {}", shard_level_name(spec.shard))
             : spec.pipeline.stages > 1 ? fmt::format("; {} pipeline stages, one rank each: the largest is stage {}",
                                                      spec.pipeline.stages, e.stage)
                                           : "",

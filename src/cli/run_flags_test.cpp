@@ -70,6 +70,7 @@ const std::map<std::string, std::vector<std::string>>& samples() {
       {"base-weights", {"nf4"}},
       {"pipeline", {"2"}},
       {"pipeline-split", {"0:1,1:2"}},
+      {"tensor-parallel", {"2"}},
       {"world-size", {"2"}},
       {"dist-timeout", {"60"}},
       {"json", {"true"}},

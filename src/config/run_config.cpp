@@ -278,6 +278,12 @@ const std::vector<RunField>& run_fields() {
        "stage holds the fewest parameters, the most even, earlier stages taking fewer layers on a tie",
        [](RunConfig& c, const std::string& s) { c.pipeline.split = s.empty() ? std::vector<LayerRange>{} : parse_pipeline_split(s); },
        [](const RunConfig& c) { return Texts{pipeline_split_text(c.pipeline.split)}; }},
+      integer("tensor-parallel",
+              "under torchrun: split each layer's attention heads and MLP inner dimension, and the vocabulary (the "
+              "embedding, the head and the loss), over T ranks, neighbours on a node; the ranks are D x T, D "
+              "data-parallel ranks of T (--shard none, optimizer or gradients among them); key/value heads fewer "
+              "than T are replicated; 1: none",
+              &RunConfig::tensor_parallel),
       integer("world-size",
               "ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, else 1): pipeline "
               "stages x data-parallel ranks; under torchrun it must equal the ranks launched",
@@ -549,6 +555,14 @@ void validate(const RunConfig& c) {
     fail("--world-size {} is not a multiple of --pipeline {}; accepted: ranks = pipeline stages x data-parallel "
          "ranks",
          c.world_size, c.pipeline.stages);
+  }
+  if (c.tensor_parallel < 1 || c.tensor_parallel > 4096) {
+    fail("--tensor-parallel must be 1 to 4096 ranks, got {}", c.tensor_parallel);
+  }
+  if (c.world_size > 0 && c.world_size % (c.pipeline.stages * c.tensor_parallel) != 0) {
+    fail("--world-size {} is not a multiple of --pipeline {} x --tensor-parallel {}; accepted: ranks = pipeline "
+         "stages x data-parallel ranks x tensor-parallel ranks",
+         c.world_size, c.pipeline.stages, c.tensor_parallel);
   }
   if (!c.pipeline.split.empty() && static_cast<int64_t>(c.pipeline.split.size()) != c.pipeline.stages) {
     fail("--pipeline-split '{}' has {} stages and --pipeline is {}; accepted: one range per stage",

@@ -42,6 +42,7 @@ struct StepSettings {
   Offload offload = Offload::none;  // what lives in host memory (the optimizer's state and update)
   LossSetting loss;                 // the head and the loss over all tokens at once, or in chunks
   PipelineLayout pipeline;          // layers across ranks in stages (1: none)
+  int64_t tensor_parallel = 1;      // each layer's matrices and the vocabulary split over ranks (1: none)
 
   // This object as the step's settings alone, to assign or compare them whole.
   StepSettings& step() { return *this; }

@@ -12,6 +12,7 @@
 #include "model/hf_weights.h"
 #include "device/device.h"
 #include "estimate/step_replay.h"
+#include "model/tensor_parallel.h"
 #include "util/error.h"
 #include "util/size.h"
 
@@ -192,6 +193,19 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
 
 Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   if (spec.batch < 1 || spec.accum < 1 || spec.seq < 1) fail("estimate: batch, accum and seq must be at least 1");
+  if (spec.tensor_parallel > 1) {
+    check_tensor_parallel(model, spec.tensor_parallel);
+    // What train refuses with --tensor-parallel (train/run.cpp), refused here in its words.
+    const char* refused = spec.pipeline.stages > 1                           ? "--pipeline"
+                          : spec.world > 1 && spec.shard == ShardLevel::full ? "--shard full"
+                          : spec.loss.chunked                                ? "--loss chunked"
+                          : spec.optimizer == OptimizerKind::adafactor       ? "--optimizer adafactor"
+                          : spec.optimizer == OptimizerKind::adamw8bit       ? "--optimizer adamw8bit"
+                          : !spec.finetune.full()                            ? "--finetune other than full"
+                          : spec.offload != Offload::none                    ? "--offload"
+                                                                             : nullptr;
+    if (refused) fail("{} with --tensor-parallel: not supported yet (train refuses it)", refused);
+  }
   if (spec.pipeline.stages > 1) {
     if (spec.world > 1 && spec.shard == ShardLevel::full) {
       fail("--shard full with --pipeline: not supported yet (train refuses it); accepted: --shard optimizer or "
@@ -254,8 +268,8 @@ int64_t corpus_bytes(const std::string& path) {
 TrainSpec train_spec(const RunConfig& cfg) {
   TrainSpec s;
   s.step() = cfg.step();
-  // The data-parallel ranks: a pipeline's stages take one rank each.
-  s.world = std::max<int64_t>(1, world_size_of(cfg) / cfg.pipeline.stages);
+  // The data-parallel ranks: a pipeline's stages and the tensor-parallel shares take one rank each.
+  s.world = std::max<int64_t>(1, world_size_of(cfg) / (cfg.pipeline.stages * cfg.tensor_parallel));
   // An estimate is for before the GPU is rented: --device cuda needs none here.
   s.cuda = cfg.device.rfind("cuda", 0) == 0 || (cfg.device == "auto" && resolve_device(cfg.device).is_cuda());
   if (!s.cuda && !cfg.weights.empty()) {

@@ -29,8 +29,15 @@ LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
   if (s.pipeline.stages > 1) {
     const std::vector<LayerRange> ranges = pipeline_stages(c, s.pipeline);
     const auto k = static_cast<size_t>(s.stage);
-    stage_ = {ranges.at(k).first, ranges.at(k).end, k == 0, k + 1 == ranges.size()};
+    stage_ = {ranges.at(k).first, ranges.at(k).end, k == 0, k + 1 == ranges.size(), {}};
   }
+  // Tensor parallel: the last rank's share, whose vocabulary rows are the most (floor(r·V / T)).
+  if (s.tensor_parallel > 1) {
+    stage_.tensor.rank = s.tensor_parallel - 1;
+    stage_.tensor.ranks = s.tensor_parallel;
+  }
+  heads_ = stage_.tensor.heads(c.num_heads).size;
+  kv_heads_ = stage_.tensor.whole() ? c.num_kv_heads : stage_.tensor.kv_heads(c).size;
   weights_ = mem_.label("weights", Category::weights, "parameters × " + w);
   grads_ = mem_.label("gradients", Category::gradients, "parameters × " + w + ", filled as backward reaches them");
 }
@@ -112,6 +119,9 @@ void LayerReplay::construct_model() {
       continue;
     }
     Ref copy = mem_.allocate(numel * 4, init);
+    // Tensor parallel: the share is cut from the whole draw (a copy) before it is copied in.
+    const auto held = params_.find(name);
+    if (held != params_.end() && held->second.t.numel != numel) Ref cut = mem_.allocate(held->second.t.numel * 4, init);
   }
   // --weights: then the checkpoint's tensors, read one at a time in their file's dtype.
   const int read = mem_.label("checkpoint tensors", Category::temporaries, "--weights: one tensor at a time, as stored");
@@ -147,11 +157,17 @@ Tensor LayerReplay::project(const Tensor& x, const std::string& weight, const Pa
   return add(y, scale(u, lbl), label);
 }
 
+Tensor LayerReplay::project_out(const Tensor& x, const std::string& weight, const Param* bias, int label) {
+  // Tensor parallel: the partial product summed over the ranks in place, then the bias added.
+  if (stage_.tensor.whole() || bias == nullptr) return project(x, weight, bias, label);
+  return add(project(x, weight, nullptr, label), bias->t, label);
+}
+
 Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& rope) {
   const std::string pre = fmt::format("layers.{}.attn.", layer);
   const int64_t tokens = x.numel / c_.hidden_size;
-  const AttentionShape shape{tokens / s_.seq, s_.seq, c_.num_heads, c_.num_kv_heads, c_.head_dim};
-  const int64_t qw = c_.num_heads * c_.head_dim, kw = c_.num_kv_heads * c_.head_dim;
+  const AttentionShape shape{tokens / s_.seq, s_.seq, heads_, kv_heads_, c_.head_dim};
+  const int64_t qw = heads_ * c_.head_dim, kw = kv_heads_ * c_.head_dim;
   const int qkv_lbl =
       act("attention q, k, v", "queries, keys and values (after rotary), B·T·(heads + 2·kv_heads)·head_dim");
   Tensor q, k, v;
@@ -178,8 +194,8 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
     const bool local = c_.windowed(layer) && c_.local_rope_theta.has_value();
     const Tensor& cos = local ? rope.local_cos : rope.cos;
     const Tensor& sin = local ? rope.local_sin : rope.sin;
-    q = rotary(q, c_.num_heads, c_.head_dim, c_.rotary_dim, cos, sin);
-    k = rotary(k, c_.num_kv_heads, c_.head_dim, c_.rotary_dim, cos, sin);
+    q = rotary(q, heads_, c_.head_dim, c_.rotary_dim, cos, sin);
+    k = rotary(k, kv_heads_, c_.head_dim, c_.rotary_dim, cos, sin);
   }
   const bool windowed = c_.windowed(layer) && *c_.sliding_window < s_.seq;
   Tensor y;
@@ -198,7 +214,7 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
   }
   q = k = v = Tensor{};
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
-  Tensor o = project(y, pre + "o_proj.weight", maybe(pre + "o_proj.bias"), res_lbl);
+  Tensor o = project_out(y, pre + "o_proj.weight", maybe(pre + "o_proj.bias"), res_lbl);
   return dropout(o, c_.resid_dropout, res_lbl);
 }
 
@@ -239,7 +255,7 @@ Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& x) {
     h = activation(project(x, pre + "up_proj.weight", maybe(pre + "up_proj.bias"), lbl), relu);
   }
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
-  Tensor d = project(h, pre + "down_proj.weight", maybe(pre + "down_proj.bias"), res_lbl);
+  Tensor d = project_out(h, pre + "down_proj.weight", maybe(pre + "down_proj.bias"), res_lbl);
   return dropout(d, c_.resid_dropout, res_lbl);
 }
 
@@ -342,7 +358,7 @@ Tensor LayerReplay::trunk(int64_t rows, const Tensor* input) {
   if (stage_.embeddings) {
     const Param& embed = p("embed_tokens.weight");
     if (gate_) gate_->gather(0);
-    x = embedding(embed, tokens, ew_, res_lbl);
+    x = stage_.tensor.whole() ? embedding(embed, tokens, ew_, res_lbl) : parallel_embedding(embed, tokens, ew_, res_lbl);
     if (c_.embed_scale != 1.0) x = scale(x, res_lbl);
     if (c_.learned_positions) {
       const Param& pos = p("embed_positions.weight");

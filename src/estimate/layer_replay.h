@@ -69,6 +69,8 @@ class LayerReplay : protected sim::Ops {
   std::vector<std::string> order_;    // parameter names in registration order
   std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
   ModelStage stage_;                  // --pipeline: the stage replayed (TrainSpec::stage); else the whole model
+                                      // (--tensor-parallel: the last rank's share of it)
+  int64_t heads_ = 0, kv_heads_ = 0;  // the attention heads and key/value heads the replayed rank holds
 
  private:
   // The rotary tables: cos and sin, and the windowed layers' own (gemma3).
@@ -77,6 +79,8 @@ class LayerReplay : protected sim::Ops {
   };
   // x through the projection whose weight is `weight`, and its LoRA adapter when it has one.
   sim::Tensor project(const sim::Tensor& x, const std::string& weight, const sim::Param* bias, int label);
+  // A row-parallel projection (o, down) as CausalLM::project_out runs it.
+  sim::Tensor project_out(const sim::Tensor& x, const std::string& weight, const sim::Param* bias, int label);
   sim::Tensor attention_block(int64_t layer, const sim::Tensor& x, const Rope& rope);
   sim::Tensor mlp_block(int64_t layer, const sim::Tensor& x);
   // One decoder layer; `selective`: its attention is checkpointed (the layer itself is not).

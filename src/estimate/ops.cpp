@@ -509,6 +509,47 @@ Tensor Ops::token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets
   return loss;
 }
 
+Tensor Ops::parallel_embedding(const Param& table, int64_t tokens, int elem, int label) {
+  const int ids_lbl = mem_.label("tensor-parallel ids", Category::activations,
+                                 "the shifted ids (8 bytes) and the outside-the-share mask (1 byte) per token");
+  Ref outside = mem_.allocate(tokens, ids_lbl);
+  mem_.allocate(tokens, tmp_).reset();  // ids >= end, or-ed into the mask
+  Ref local = mem_.allocate(tokens * 8, ids_lbl);
+  Tensor x = make(tokens * table.cols, elem, label, table.t.requires_grad());
+  g_->record({&x}, {local}, [this, &table](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(table.t)}; });
+  Tensor filled = g_->alias(x, x.numel);
+  g_->record({&filled}, {outside},
+             [this, x = meta(x)](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(x)}; });
+  return filled;
+}
+
+Tensor Ops::parallel_token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets_label, int loss_label) {
+  const int elem = logits.elem;
+  const bool rg = logits.requires_grad();
+  Ref softmax = mem_.allocate(tokens * vocab * 4, loss_label);
+  Ref top = mem_.allocate(tokens * 4, tmp_);
+  Ref targets = mem_.allocate(tokens * 8, targets_label);
+  Ref inside = mem_.allocate(tokens, loss_label);
+  mem_.allocate(tokens, tmp_).reset();  // targets < end, and-ed into the mask
+  Ref local = mem_.allocate(tokens * 8, loss_label);
+  mem_.allocate(tokens, tmp_).reset();  // the mask negated
+  Ref picked = mem_.allocate(tokens * 4, tmp_);
+  mem_.allocate(tokens, tmp_).reset();  // the mask negated
+  Ref total = mem_.allocate(tokens * 4, tmp_);
+  mem_.allocate(tokens * 4, tmp_).reset();  // log(total) - picked, before its mean
+  Tensor loss = make(1, 4, loss_label, rg);
+  g_->record({&loss}, {softmax, local, inside},
+             [this, logits = meta(logits), tokens, vocab, elem](const std::vector<Ref>&) {
+               Ref g = mem_.allocate(tokens * vocab * 4, tmp_);
+               mem_.allocate(tokens * 4, tmp_).reset();  // the mask as float32, negated
+               mem_.allocate(4, tmp_).reset();           // the incoming gradient over the tokens
+               if (elem == 4) return std::vector<Emit>{pass_to(logits, g)};
+               return std::vector<Emit>{pass_to(logits, mem_.allocate(tokens * vocab * elem, tmp_))};
+             });
+  logits = Tensor{};
+  return loss;
+}
+
 Tensor Ops::chunked_loss(const Tensor& hidden, const Param& head, int64_t tokens, int64_t chunk, int targets_label,
                          int loss_label) {
   const int64_t h = head.cols, vocab = head.rows;
@@ -590,6 +631,8 @@ const std::vector<std::string>& modeled_operators() {
       "embedding",
       "token_loss",
       "chunked_loss",
+      "parallel_embedding",
+      "parallel_token_loss",
       "fused_attention",
       "math_fallback_attention",
       "explicit_attention",

@@ -135,6 +135,17 @@ class Ops {
   // `targets_label`), then cross_entropy = nll_loss(log_softmax(x)). Returns the scalar loss;
   // the logits handle is released inside, where the real one goes.
   Tensor token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets_label, int loss_label);
+  // Tensor parallel (model/tensor_parallel.h): the embedding of this rank's `table` rows, the ids
+  // outside them masked (the ids shifted, kept by the embedding for backward; the mask, kept by the
+  // in-place fill that zeroes their rows, whose backward fills a copy of the gradient), summed over
+  // the ranks in place.
+  Tensor parallel_embedding(const Param& table, int64_t tokens, int elem, int label);
+  // parallel_token_loss over this rank's `vocab` logits: their float32 copy (made the softmax in
+  // place, and kept), the targets flattened (a copy), the shifted targets and the mask (kept), and
+  // per token the largest logit, the target's logit, the sum of exponentials and the loss. Backward:
+  // a float32 copy of the softmax, made the gradient, and its cast to the logits' dtype. The logits
+  // handle is released inside, as token_loss's.
+  Tensor parallel_token_loss(Tensor logits, int64_t tokens, int64_t vocab, int targets_label, int loss_label);
   // model/chunked_loss.h's chunked_token_loss over `hidden` ([tokens, head.cols]) and the head
   // [vocab, hidden], `chunk` tokens at a time: the targets flattened (a copy), the hidden states in
   // the compute dtype (kept), the head's copy in it while forward runs, and per chunk its logits,

@@ -27,6 +27,7 @@
 #include "model/chunked_loss.h"
 #include "model/experts.h"
 #include "model/rotary.h"
+#include "model/tensor_parallel.h"
 #include "train/precision.h"
 #include "train/step_ops.h"
 
@@ -355,6 +356,37 @@ std::vector<Case> cases() {
                  auto logits = r.leaf(B * T * V, 4);
                  return r.measure([&] { return r.token_loss(logits, B * T, V, r.input_label(), r.label()); });
                }});
+  // model/tensor_parallel.h's vocabulary-split embedding and loss, on one share (the whole
+  // vocabulary, the collective a no-op): what each allocates does not depend on the ranks.
+  static TensorSlice one_share;
+  one_share.allreduce = [](at::Tensor&, bool) {};
+  c.push_back({"parallel_embedding", "[V, H] share of the table, B x T ids",
+               [] {
+                 const at::Tensor ids = at::randint(V, {B, T}, at::TensorOptions().dtype(at::kLong));
+                 return measure_real([] { return std::vector<at::Tensor>{leaf({V, H})}; },
+                                     [&](const auto& in) { return parallel_embedding(in[0], ids, one_share, V); });
+               },
+               [] {
+                 Replay r(false);
+                 auto table = r.param(V, H, 4);
+                 return r.measure([&] { return r.parallel_embedding(table, B * T, 4, r.label()); });
+               }});
+  for (bool bf16 : {false, true}) {
+    c.push_back({"parallel_token_loss", fmt::format("{} logits of a share, a narrow of the batch's tokens",
+                                                    bf16 ? "bf16" : "float32"),
+                 [bf16] {
+                   const at::Tensor batch = at::randint(V, {B, T + 1}, at::TensorOptions().dtype(at::kLong));
+                   return measure_real(
+                       [bf16] { return std::vector<at::Tensor>{leaf({B, T, V}, bf16 ? at::kBFloat16 : at::kFloat)}; },
+                       [&](const auto& in) { return parallel_token_loss(in[0], batch.narrow(1, 1, T), one_share, V); });
+                 },
+                 [bf16] {
+                   Replay r(false);
+                   auto logits = r.leaf(B * T * V, bf16 ? 2 : 4);
+                   return r.measure(
+                       [&] { return r.parallel_token_loss(logits, B * T, V, r.input_label(), r.label()); });
+                 }});
+  }
   // model/chunked_loss.h: chunks of 48 of the 128 tokens (the last one short), in float32, under
   // bf16 autocast (2-byte copies of the hidden states and the head), pure bf16, and with a frozen head.
   struct ChunkedCase {

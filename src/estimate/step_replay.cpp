@@ -151,13 +151,14 @@ void StepReplay::pipeline_schedule() {
 }
 
 Tensor StepReplay::forward_phase(int64_t rows, int batch_lbl, int loss_lbl, const Tensor* input) {
-  const int64_t tokens = rows * s_.seq, vocab = c_.vocab_size;
+  const int64_t tokens = rows * s_.seq, vocab = stage_.tensor.vocab(c_.vocab_size).size;
   mem_.set_phase(Phase::forward);
   std::map<const Param*, Tensor> cache;
   cache_ = &cache;
   Tensor loss = s_.loss.chunked ? chunked_loss(trunk(rows, input), head(), tokens,
                                                 chunk_tokens(s_.loss, tokens, vocab, c_.hidden_size), batch_lbl, loss_lbl)
-                                 : token_loss(forward(rows, input), tokens, vocab, batch_lbl, loss_lbl);
+                 : stage_.tensor.whole() ? token_loss(forward(rows, input), tokens, vocab, batch_lbl, loss_lbl)
+                                         : parallel_token_loss(forward(rows, input), tokens, vocab, batch_lbl, loss_lbl);
   if (!aux_.empty()) {
     // The router's load-balancing loss (model/experts.h), from each sparse layer's statistics,
     // added to the loss.

@@ -46,9 +46,10 @@ at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double 
 // Initialise each parameter on the CPU from one generator, in registration order, then copy; with
 // `keep`, each parameter holds memory only while it is initialised and kept.
 // `quantise`: called instead of a copy for an NF4 weight's codes, with the weight's name and its
-// dense draw (`dense_sizes` gives its shape); its absmax draws nothing.
+// dense draw (`dense_sizes` gives its shape); its absmax draws nothing. A tensor-parallel share (`cuts`)
+// is drawn whole and cut, so that the ranks' shares are the whole model's of the same seed.
 void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t seed,
-                const CausalLM::KeepParameter& keep, bool base,
+                const CausalLM::KeepParameter& keep, bool base, const std::map<std::string, TensorCut>& cuts,
                 const std::function<std::vector<int64_t>(const std::string&)>& dense_sizes,
                 const std::function<void(const std::string&, const at::Tensor&)>& quantise) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -64,7 +65,10 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
       quantise(weight, initial_value(weight, dense_sizes(weight), std_dev, proj_std, 1.0, gen));
       continue;
     }
-    const at::Tensor cpu = initial_value(name, t.sizes(), std_dev, proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
+    const auto cut = cuts.find(name);
+    at::Tensor cpu = initial_value(name, cut != cuts.end() ? at::IntArrayRef(cut->second.whole) : t.sizes(), std_dev,
+                                   proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
+    if (cut != cuts.end()) cpu = cut->second.take(cpu);
     if (t.is_meta()) continue;  // another pipeline stage's: drawn only to keep the order
     if (!keep) {
       t.copy_(cpu);
@@ -113,7 +117,13 @@ ModelConfig local_rotary_config(const ModelConfig& c) {
 
 }  // namespace
 
-at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> shape) {
+at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> shape, int64_t dim,
+                               std::vector<Span> spans) {
+  if (!spans.empty() && !stage_.tensor.whole()) {
+    TensorCut cut{dim, std::move(spans), shape};
+    shape = cut.sizes();
+    cuts_.emplace(name, std::move(cut));
+  }
   if (base_weights_ == BaseWeights::nf4 && name.rfind("layers.", 0) == 0) {
     Layer& l = layers_[layer_of(name)];
     for (const AdaptableModule& m : adaptable_modules(config_, static_cast<int64_t>(layer_of(name)))) {
@@ -147,13 +157,28 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   const int64_t kv_dim = c.num_kv_heads * c.head_dim;
   const int64_t inter = c.intermediate_size;
   const bool layer_norm = c.norm == NormKind::layer_norm;
-  if (base_weights_ == BaseWeights::nf4 && !stage_.whole()) fail("--base-weights nf4 with --pipeline: not supported");
+  if (base_weights_ == BaseWeights::nf4 && !stage_.whole()) {
+    fail("--base-weights nf4 with --pipeline or --tensor-parallel: not supported");
+  }
+  const TensorSlice& tp = stage_.tensor;
+  if (!tp.whole()) {
+    check_tensor_parallel(c, tp.ranks);
+    if (finetune_.is_lora()) fail("--finetune {} with --tensor-parallel: not supported yet", finetune_.name());
+  }
+  heads_ = tp.heads(c.num_heads).size;
+  kv_heads_ = tp.whole() ? c.num_kv_heads : tp.kv_heads(c).size;
+  inner_ = tp.share(c.intermediate_size).size;
+  // Tensor parallel: this rank's query rows, key/value rows, inner columns and vocabulary rows.
+  const int64_t hd = c.head_dim;
+  const Span heads = tp.heads(c.num_heads), kv = tp.whole() ? Span{0, c.num_kv_heads} : tp.kv_heads(c);
+  const Span q_rows{heads.begin * hd, heads.size * hd}, kv_rows{kv.begin * hd, kv.size * hd};
+  const Span inner = tp.share(inter), vocab = tp.vocab(c.vocab_size);
   if (stage_.end < 0) stage_.end = c.num_layers;  // from here stage_.whole() is false: `end` is set
   TORCH_CHECK(stage_.first >= 0 && stage_.first < stage_.end && stage_.end <= c.num_layers,
               "CausalLM: stage layers [", stage_.first, ", ", stage_.end, ") outside the model's ", c.num_layers);
 
   // Allocate on the target device directly; init happens after, on CPU copies.
-  embed_ = add_param("embed_tokens.weight", {c.vocab_size, d});
+  embed_ = add_param("embed_tokens.weight", {c.vocab_size, d}, 0, {vocab});
   if (c.learned_positions) pos_embed_ = add_param("embed_positions.weight", {c.max_positions, d});
   layers_.resize(static_cast<size_t>(c.num_layers));
   const bool pre_norms = c.norm_placement != NormPlacement::post;
@@ -168,22 +193,27 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
       if (layer_norm) l.norm1_b = add_param(p + "input_norm.bias", {d});
     }
     if (c.fused_qkv) {
-      l.qkv_w = add_param(p + "attn.qkv.weight", {q_dim + 2 * kv_dim, d});
-      if (c.qkv_bias) l.qkv_b = add_param(p + "attn.qkv.bias", {q_dim + 2 * kv_dim});
+      // gpt_neox interleaves q, k and v per head; the others lay out all of q, then k, then v.
+      const std::vector<Span> qkv_rows =
+          c.family == Family::gpt_neox
+              ? std::vector<Span>{{heads.begin * 3 * hd, heads.size * 3 * hd}}
+              : std::vector<Span>{q_rows, {q_dim + kv_rows.begin, kv_rows.size}, {q_dim + kv_dim + kv_rows.begin, kv_rows.size}};
+      l.qkv_w = add_param(p + "attn.qkv.weight", {q_dim + 2 * kv_dim, d}, 0, qkv_rows);
+      if (c.qkv_bias) l.qkv_b = add_param(p + "attn.qkv.bias", {q_dim + 2 * kv_dim}, 0, qkv_rows);
     } else {
-      l.q_w = add_param(p + "attn.q_proj.weight", {q_dim, d});
-      if (c.qkv_bias) l.q_b = add_param(p + "attn.q_proj.bias", {q_dim});
-      l.k_w = add_param(p + "attn.k_proj.weight", {kv_dim, d});
-      if (c.qkv_bias) l.k_b = add_param(p + "attn.k_proj.bias", {kv_dim});
-      l.v_w = add_param(p + "attn.v_proj.weight", {kv_dim, d});
-      if (c.qkv_bias) l.v_b = add_param(p + "attn.v_proj.bias", {kv_dim});
+      l.q_w = add_param(p + "attn.q_proj.weight", {q_dim, d}, 0, {q_rows});
+      if (c.qkv_bias) l.q_b = add_param(p + "attn.q_proj.bias", {q_dim}, 0, {q_rows});
+      l.k_w = add_param(p + "attn.k_proj.weight", {kv_dim, d}, 0, {kv_rows});
+      if (c.qkv_bias) l.k_b = add_param(p + "attn.k_proj.bias", {kv_dim}, 0, {kv_rows});
+      l.v_w = add_param(p + "attn.v_proj.weight", {kv_dim, d}, 0, {kv_rows});
+      if (c.qkv_bias) l.v_b = add_param(p + "attn.v_proj.bias", {kv_dim}, 0, {kv_rows});
     }
     if (c.qk_norm != QkNorm::none) {
       const bool per_head = c.qk_norm == QkNorm::per_head;
       l.q_norm_w = add_param(p + "attn.q_norm.weight", {per_head ? c.head_dim : q_dim});
       l.k_norm_w = add_param(p + "attn.k_norm.weight", {per_head ? c.head_dim : kv_dim});
     }
-    l.o_w = add_param(p + "attn.o_proj.weight", {d, q_dim});
+    l.o_w = add_param(p + "attn.o_proj.weight", {d, q_dim}, 1, {q_rows});
     if (c.out_bias) l.o_b = add_param(p + "attn.o_proj.bias", {d});
     if (out_norms) l.attn_out_norm_w = add_param(p + "attention_out_norm.weight", {d});
     if (pre_norms) {
@@ -203,23 +233,24 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
       }
     } else {
       if (c.fused_gate_up) {
-        l.gate_up_w = add_param(p + "mlp.gate_up_proj.weight", {2 * inter, d});
+        l.gate_up_w = add_param(p + "mlp.gate_up_proj.weight", {2 * inter, d}, 0,
+                                {inner, {inter + inner.begin, inner.size}});
       } else if (c.gated_mlp) {
-        l.gate_w = add_param(p + "mlp.gate_proj.weight", {inter, d});
-        if (c.mlp_bias) l.gate_b = add_param(p + "mlp.gate_proj.bias", {inter});
+        l.gate_w = add_param(p + "mlp.gate_proj.weight", {inter, d}, 0, {inner});
+        if (c.mlp_bias) l.gate_b = add_param(p + "mlp.gate_proj.bias", {inter}, 0, {inner});
       }
       if (!c.fused_gate_up) {
-        l.up_w = add_param(p + "mlp.up_proj.weight", {inter, d});
-        if (c.mlp_bias) l.up_b = add_param(p + "mlp.up_proj.bias", {inter});
+        l.up_w = add_param(p + "mlp.up_proj.weight", {inter, d}, 0, {inner});
+        if (c.mlp_bias) l.up_b = add_param(p + "mlp.up_proj.bias", {inter}, 0, {inner});
       }
-      l.down_w = add_param(p + "mlp.down_proj.weight", {d, inter});
+      l.down_w = add_param(p + "mlp.down_proj.weight", {d, inter}, 1, {inner});
       if (c.mlp_bias) l.down_b = add_param(p + "mlp.down_proj.bias", {d});
     }
     if (out_norms) l.mlp_out_norm_w = add_param(p + "mlp_out_norm.weight", {d});
   }
   final_norm_w_ = add_param("final_norm.weight", {d});
   if (layer_norm) final_norm_b_ = add_param("final_norm.bias", {d});
-  head_ = c.tie_word_embeddings ? embed_ : add_param("lm_head.weight", {c.vocab_size, d});
+  head_ = c.tie_word_embeddings ? embed_ : add_param("lm_head.weight", {c.vocab_size, d}, 0, {vocab});
   if (finetune_.is_lora()) add_adapters();
 
   if (base_weights_ == BaseWeights::nf4 && (!finetune_.is_lora() || keep)) {
@@ -227,7 +258,7 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   }
   if (!options_.device().is_meta()) {
     initialise(
-        params_, c, seed, keep, initialise_base, [this](const std::string& w) { return nf4_weight(w)->sizes; },
+        params_, c, seed, keep, initialise_base, cuts_, [this](const std::string& w) { return nf4_weight(w)->sizes; },
         [this](const std::string& w, const at::Tensor& dense) { quantise(w, dense); });
   }
   std::erase_if(params_, [this](const NamedTensor& p) { return !holds(p.name); });
@@ -346,6 +377,14 @@ bool CausalLM::holds(const std::string& name) const {
   return stage_.head;  // the final norm, the head
 }
 
+int64_t CausalLM::tensor_copies(const std::string& name) const {
+  const TensorSlice& tp = stage_.tensor;
+  if (tp.whole()) return 1;
+  if (!cuts_.contains(name)) return tp.ranks;
+  const bool kv = name.find("attn.k_proj.") != std::string::npos || name.find("attn.v_proj.") != std::string::npos;
+  return kv && tp.kv_replicated(config_) ? tp.ranks / config_.num_kv_heads : 1;
+}
+
 int64_t CausalLM::counted_elements(const NamedTensor& p) const {
   if (!is_nf4_part(p.name)) return p.tensor.numel();
   const std::string w = nf4_weight_of_codes(p.name);
@@ -404,16 +443,36 @@ at::Tensor maybe_dropout(const at::Tensor& x, double p, bool training) {
 
 }  // namespace
 
-at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const RotaryTables& rope,
+at::Tensor CausalLM::kv_param(const at::Tensor& p) const {
+  const TensorSlice& tp = stage_.tensor;
+  if (!p.defined() || !tp.kv_replicated(config_)) return p;
+  const int64_t hd = config_.head_dim;
+  return replicated_rows_gradient(p, 0, tp.kv_heads(config_).begin * hd, config_.num_kv_heads * hd, tp);
+}
+
+at::Tensor CausalLM::project_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                 const LoraAdapter& lora, const Nf4Weight& nf4, const ForwardOptions& o) const {
+  if (stage_.tensor.whole()) return project(x, w, b, lora, nf4, o);
+  const at::Tensor y = leave_parallel(at::linear(x, w), stage_.tensor);
+  return b.defined() ? y + b : y;
+}
+
+at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& input, const RotaryTables& rope,
                                const ForwardOptions& o) const {
   const ModelConfig& c = config_;
+  const TensorSlice& tp = stage_.tensor;
+  // Tensor parallel: this rank's heads, the input's gradient summed over the ranks.
+  const at::Tensor x = tp.whole() ? input : enter_parallel(input, tp);
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t hd = c.head_dim;
-  const int64_t q_dim = c.num_heads * hd, kv_dim = c.num_kv_heads * hd;
+  const int64_t q_dim = heads_ * hd, kv_dim = kv_heads_ * hd;
+  // Per-head q/k norms are shared by every rank's heads: their gradients summed over the ranks.
+  const at::Tensor q_norm_w = tp.whole() || !l.q_norm_w.defined() ? l.q_norm_w : shared_gradient(l.q_norm_w, tp);
+  const at::Tensor k_norm_w = tp.whole() || !l.k_norm_w.defined() ? l.k_norm_w : shared_gradient(l.k_norm_w, tp);
   at::Tensor q, k, v;
   if (c.fused_qkv && c.family == Family::gpt_neox) {
     // gpt_neox interleaves per head: [.., H, 3 * hd].
-    auto qkv = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, l.nf4_qkv, o).view({b, t, c.num_heads, 3 * hd});
+    auto qkv = project(x, l.qkv_w, l.qkv_b, l.lora_qkv, l.nf4_qkv, o).view({b, t, heads_, 3 * hd});
     auto parts = qkv.chunk(3, -1);
     q = parts[0];
     k = parts[1];
@@ -425,19 +484,19 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const Rotary
     v = parts[2];
   } else {
     q = project(x, l.q_w, l.q_b, l.lora_q, l.nf4_q, o);
-    k = project(x, l.k_w, l.k_b, l.lora_k, l.nf4_k, o);
-    v = project(x, l.v_w, l.v_b, l.lora_v, l.nf4_v, o);
+    k = project(x, kv_param(l.k_w), kv_param(l.k_b), l.lora_k, l.nf4_k, o);
+    v = project(x, kv_param(l.v_w), kv_param(l.v_b), l.lora_v, l.nf4_v, o);
   }
   if (c.qk_norm == QkNorm::whole) {  // olmo2: over the whole projection, before the heads split
-    q = norm(q, l.q_norm_w, {});
-    k = norm(k, l.k_norm_w, {});
+    q = norm(q, q_norm_w, {});
+    k = norm(k, k_norm_w, {});
   }
-  q = q.view({b, t, c.num_heads, hd});
-  k = k.view({b, t, c.num_kv_heads, hd});
-  v = v.view({b, t, c.num_kv_heads, hd});
+  q = q.view({b, t, heads_, hd});
+  k = k.view({b, t, kv_heads_, hd});
+  v = v.view({b, t, kv_heads_, hd});
   if (c.qk_norm == QkNorm::per_head) {  // qwen3, gemma3: each head over head_dim
-    q = norm(q, l.q_norm_w, {});
-    k = norm(k, l.k_norm_w, {});
+    q = norm(q, q_norm_w, {});
+    k = norm(k, k_norm_w, {});
   }
   q = q.transpose(1, 2);
   k = k.transpose(1, 2);
@@ -449,12 +508,13 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& x, const Rotary
     k = r.apply(k, cos, sin);
   }
   auto y = causal_attention(q, k, v, o.attention, o.training ? c.attn_dropout : 0.0, l.window, c.attn_scale);
-  y = y.transpose(1, 2).reshape({b, t, c.num_heads * hd});
-  return maybe_dropout(project(y, l.o_w, l.o_b, l.lora_o, l.nf4_o, o), c.resid_dropout, o.training);
+  y = y.transpose(1, 2).reshape({b, t, q_dim});
+  return maybe_dropout(project_out(y, l.o_w, l.o_b, l.lora_o, l.nf4_o, o), c.resid_dropout, o.training);
 }
 
-at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptions& o, RouterStats* stats) const {
+at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& input, const ForwardOptions& o, RouterStats* stats) const {
   const ModelConfig& c = config_;
+  const at::Tensor x = stage_.tensor.whole() ? input : enter_parallel(input, stage_.tensor);
   if (!l.experts.empty()) {
     return maybe_dropout(mixture_of_experts(x, l.router_w, l.experts, *c.moe, c.activation, stats), c.resid_dropout,
                          o.training);
@@ -468,7 +528,7 @@ at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& x, const ForwardOptio
   } else {
     h = activate(project(x, l.up_w, l.up_b, l.lora_up, l.nf4_up, o), c.activation);
   }
-  return maybe_dropout(project(h, l.down_w, l.down_b, l.lora_down, l.nf4_down, o), c.resid_dropout, o.training);
+  return maybe_dropout(project_out(h, l.down_w, l.down_b, l.lora_down, l.nf4_down, o), c.resid_dropout, o.training);
 }
 
 at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTables& rope, const ForwardOptions& o,
@@ -505,10 +565,14 @@ at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTabl
 at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
   TORCH_CHECK(stage_.head, "forward: this pipeline stage has no head; hidden_states gives its output");
   Trunk trunk = run_trunk(input_ids, o, router);
-  at::Tensor logits = at::linear(trunk.hidden, head_);
+  at::Tensor logits = head(trunk.hidden);
   if (o.gate) o.gate->forward_done(0);
   report_router(trunk, router);
   return logits;
+}
+
+at::Tensor CausalLM::head(const at::Tensor& hidden) const {
+  return at::linear(stage_.tensor.whole() ? hidden : enter_parallel(hidden, stage_.tensor), head_);
 }
 
 at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
@@ -550,7 +614,8 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input, const ForwardOption
   at::Tensor x = input;
   if (stage_.embeddings) {
     if (gate) gate->gather(0);
-    x = at::embedding(embed_, input);
+    x = stage_.tensor.whole() ? at::embedding(embed_, input)
+                              : parallel_embedding(embed_, input, stage_.tensor, config_.vocab_size);
     if (config_.embed_scale != 1.0) {
       // Gemma: sqrt(hidden_size) in the weights' dtype, as Hugging Face rounds it.
       x = x * at::scalar_tensor(config_.embed_scale, at::TensorOptions().dtype(embed_.scalar_type())).item<double>();

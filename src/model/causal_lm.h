@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "model/nf4.h"
 #include "model/parameter_gate.h"
 #include "model/rotary.h"
+#include "model/tensor_parallel.h"
 #include "util/named_tensor.h"
 
 namespace headroom {
@@ -39,13 +41,16 @@ struct ForwardOptions {
   std::shared_ptr<ActivationOffload> offload;
 };
 
-// The part of the model a pipeline stage holds (dist/pipeline.h): layers [first, end), the
+// The part of the model a rank holds. A pipeline stage (dist/pipeline.h): layers [first, end), the
 // embeddings (the first stage), the final norm and the head (the last; with tied embeddings its head
-// is its own copy of the embedding). The default is the whole model.
+// is its own copy of the embedding). Tensor parallel (model/tensor_parallel.h): its share of each
+// layer's matrices and of the vocabulary. The default is the whole model.
 struct ModelStage {
   int64_t first = 0, end = -1;  // end -1: to the last layer
   bool embeddings = true, head = true;
-  bool whole() const { return first == 0 && end < 0 && embeddings && head; }  // as given (CausalLM sets `end`)
+  TensorSlice tensor;
+  // As given (CausalLM sets `end`).
+  bool whole() const { return first == 0 && end < 0 && embeddings && head && tensor.whole(); }
 };
 
 class CausalLM {
@@ -74,7 +79,7 @@ class CausalLM {
            const ModelStage& stage = {});
 
   // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
-  // dtype. `router`: a mixture of experts reports there the skew of its routing and, when its
+  // dtype (tensor parallel: [B, T, this rank's vocabulary rows]). `router`: a mixture of experts reports there the skew of its routing and, when its
   // config asks for it (output_router_logits) and gradients are recorded, its load-balancing loss
   // times router_aux_loss_coef (left undefined otherwise), which the caller adds to the loss.
   at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options, RouterOutput* router = nullptr) const;
@@ -85,8 +90,17 @@ class CausalLM {
   // it has no head.
   at::Tensor hidden_states(const at::Tensor& input_ids, const ForwardOptions& options,
                            RouterOutput* router = nullptr) const;
-  // The LM head's weight [vocab, hidden] (the embedding's, when tied).
+  // The LM head's weight [vocab, hidden] (the embedding's, when tied); tensor parallel: this rank's
+  // vocabulary rows.
   const at::Tensor& head_weight() const { return head_; }
+  // The head on the final norm's output: the logits (tensor parallel: of this rank's vocabulary rows).
+  at::Tensor head(const at::Tensor& hidden) const;
+  // Tensor parallel: this rank's share (whole() without).
+  const TensorSlice& tensor_slice() const { return stage_.tensor; }
+  // How many tensor-parallel ranks hold a copy of the named parameter: 1 for a share of its own, the
+  // ranks for a replicated one (a norm, a bias added after the sum), ranks / kv for a replicated
+  // key/value head's projection; 1 without tensor parallel.
+  int64_t tensor_copies(const std::string& name) const;
 
   const ModelConfig& config() const { return config_; }
   const ModelStage& stage() const { return stage_; }
@@ -141,7 +155,17 @@ class CausalLM {
     std::pair<at::Tensor, at::Tensor> global, local;  // cos, sin
   };
 
-  at::Tensor add_param(const std::string& name, std::vector<int64_t> shape);
+  // A parameter of the whole model's `shape`; tensor parallel, with `spans` along `dim` of it: only
+  // those (TensorCut), drawn whole and cut.
+  at::Tensor add_param(const std::string& name, std::vector<int64_t> shape, int64_t dim = 0,
+                       std::vector<Span> spans = {});
+  // Tensor parallel: a replicated key/value projection's weight or bias as the forward uses it (its
+  // gradient summed over its copies), else the parameter itself.
+  at::Tensor kv_param(const at::Tensor& p) const;
+  // A row-parallel projection (o, down): this rank's partial product summed over the ranks, then the
+  // bias; the plain projection without tensor parallel.
+  at::Tensor project_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const LoraAdapter& lora,
+                         const Nf4Weight& nf4, const ForwardOptions& o) const;
   void add_adapters();
   void mark_trainable();
   // x through a projection (dense, or its NF4 weight when defined) and, when adapted, its LoRA adapter.
@@ -171,6 +195,10 @@ class CausalLM {
   std::vector<NamedTensor> params_;
   at::Tensor embed_, pos_embed_, final_norm_w_, final_norm_b_, head_;
   std::vector<Layer> layers_;
+  // Tensor parallel: the cut parameters' shares, and this rank's attention heads, key/value heads and
+  // MLP inner width (the config's without).
+  std::map<std::string, TensorCut> cuts_;
+  int64_t heads_ = 0, kv_heads_ = 0, inner_ = 0;
 };
 
 }  // namespace headroom

@@ -185,10 +185,10 @@ GuardedStep OomGuard::run(int64_t step) {
       // will not join: it cannot re-run the step, and they learn of it when it exits.
       const bool updating = g.outcome.update_started || g.outcome.agreed;
       report = diagnose(e, shape, updating);
-      if (replicas || run_.pipeline) report.rank = run_.rank();
-      if (run_.pipeline) {
-        // The other stages are part-way through their schedules: the step cannot be run again
-        // together. This rank ends with the report; they stop when they lose contact with it.
+      if (replicas || run_.model_parallel()) report.rank = run_.rank();
+      if (run_.model_parallel()) {
+        // The other stages (or shares) are part-way through the step's collectives: the step cannot be
+        // run again together. This rank ends with the report; they stop when they lose contact with it.
         g.oom = report;
         return g;
       }

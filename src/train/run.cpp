@@ -170,6 +170,52 @@ void place_pipeline(Run& run, const RunConfig& cfg) {
                                             run.model_config.tie_word_embeddings);
 }
 
+// --tensor-parallel T: this rank's share, and with D = ranks / T data-parallel ranks, its two groups:
+// the T neighbours that split the layers with it (d·T .. d·T + T - 1, inside a node as their
+// per-block sums want them) and the ranks of its share (t, T + t, ...).
+void place_tensor_parallel(Run& run, const RunConfig& cfg) {
+  const int t = static_cast<int>(cfg.tensor_parallel);
+  if (!run.comm || run.ranks() % t != 0) {
+    fail("--tensor-parallel {} needs a multiple of {} ranks (data-parallel ranks x tensor-parallel ranks), and this "
+         "process is one of {}; accepted: torchrun --nproc-per-node {} (or a multiple)",
+         t, t, run.ranks(), t);
+  }
+  if (cfg.pipeline.stages > 1) {
+    fail("--tensor-parallel with --pipeline: not supported yet; accepted: one of them");
+  }
+  check_tensor_parallel(run.model_config, t);
+  const int d = run.ranks() / t, share = run.rank() % t, index = run.rank() / t;
+  if (d == 1 && cfg.shard != ShardLevel::none) {
+    fail("--shard {} with --tensor-parallel {} on {} ranks: the shard levels split state over the data-parallel ranks "
+         "of a share, and there is one; accepted: --shard none, or more ranks",
+         shard_level_name(cfg.shard), t, run.ranks());
+  }
+  if (cfg.shard == ShardLevel::full) {
+    fail("--shard full with --tensor-parallel: not supported yet; accepted: --shard optimizer or gradients");
+  }
+  if (cfg.loss.chunked) {
+    fail("--loss chunked with --tensor-parallel: not supported yet (the split vocabulary already keeps a rank's "
+         "logits to 1/{} of them); accepted: --loss full",
+         t);
+  }
+  if (cfg.optimizer == OptimizerKind::adafactor || cfg.optimizer == OptimizerKind::adamw8bit) {
+    fail("--optimizer {} with --tensor-parallel: not supported yet (its statistics span whole matrices or blocks "
+         "that the shares cut); accepted: sgd, momentum, adam, adamw, adagrad",
+         optimizer_name(cfg.optimizer));
+  }
+  std::vector<int> tensor_ranks, share_ranks;
+  for (int k = 0; k < t; ++k) tensor_ranks.push_back(index * t + k);
+  run.tensor_comm = std::make_unique<Communicator>(*run.comm, tensor_ranks, fmt::format("tensor_{}", index));
+  if (d > 1) {
+    for (int k = 0; k < d; ++k) share_ranks.push_back(k * t + share);
+    run.data_comm = std::make_unique<Communicator>(*run.comm, share_ranks, fmt::format("share_{}", share));
+  }
+  run.tensor = std::make_unique<TensorParallelGroup>(*run.tensor_comm);
+  if (const std::string note = kv_replication_note(run.model_config, t); !note.empty() && !cfg.quiet && run.rank() == 0) {
+    fmt::print(stderr, "headroom train: --tensor-parallel {}: {}\n", t, note);
+  }
+}
+
 // --weights and --save-weights: what this run can honour, checked before anything trains.
 void check_weights_options(const RunConfig& cfg, const Run& run) {
   const bool sliced = run.comm && cfg.shard == ShardLevel::full;
@@ -177,11 +223,14 @@ void check_weights_options(const RunConfig& cfg, const Run& run) {
     fail("--weights with --shard full: not supported yet (each rank would need the whole checkpoint while it "
          "slices); accepted: --shard gradients or optimizer");
   }
-  if (run.pipeline) {
+  if (run.model_parallel()) {
+    const char* lever = run.pipeline ? "--pipeline" : "--tensor-parallel";
     for (const auto& [given, flag] : {std::pair{!cfg.weights.empty(), "--weights"}, {!cfg.save_weights.empty(), "--save-weights"},
                                       {!cfg.checkpoint.empty(), "--checkpoint"}, {!cfg.resume.empty(), "--resume"}}) {
-      if (given) fail("{} with --pipeline: not supported yet; accepted: --pipeline 1", flag);
+      if (given) fail("{} with {}: not supported yet; accepted: {} 1", flag, lever, lever);
     }
+  }
+  if (run.pipeline) {
     if (run.model_config.moe && run.model_config.moe->aux_loss) {
       fail("--pipeline with output_router_logits (a load-balancing loss over every layer): not supported yet; "
            "accepted: --set output_router_logits=false");
@@ -237,9 +286,10 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
     };
   }
   // Weights a checkpoint will fill are not drawn first.
+  ModelStage stage = run.pipeline ? run.pipeline->model_stage() : ModelStage{};
+  if (run.tensor) stage.tensor = run.tensor->slice();
   run.model = std::make_unique<CausalLM>(run.model_config, at::TensorOptions().dtype(dtype).device(run.device),
-                                         cfg.seed, keep, cfg.finetune, cfg.weights.empty(), cfg.base_weights,
-                                         run.pipeline ? run.pipeline->model_stage() : ModelStage{});
+                                         cfg.seed, keep, cfg.finetune, cfg.weights.empty(), cfg.base_weights, stage);
   if (!cfg.weights.empty()) load_hf_weights(cfg.weights, *run.model);
   if (!cfg.adapter.empty()) load_peft_adapter(cfg.adapter, *run.model);
   return slices;
@@ -250,8 +300,9 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
 void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> slices) {
   OptimizerOptions options;
   options.weight_decay = cfg.weight_decay_value();
-  // Data parallel over every rank, or over the ranks of this pipeline stage when there are several.
-  Communicator* data = run.pipeline ? run.data_comm.get() : run.comm.get();
+  // Data parallel over every rank, or over the ranks of this pipeline stage or tensor-parallel share
+  // when there are several.
+  Communicator* data = run.model_parallel() ? run.data_comm.get() : run.comm.get();
   if (data) {
     run.replicas = std::make_unique<DataParallel>(*data, run.model->parameters(), cfg.shard,
                                                   run.model->parameter_units(), std::move(slices));
@@ -336,6 +387,7 @@ MadeRun make_run(const RunConfig& cfg) {
     run->comm = std::make_unique<Communicator>(*placement.world, device, std::chrono::seconds(cfg.dist_timeout));
   }
   load_model_config_and_data(*run, cfg);
+  if (cfg.tensor_parallel > 1) place_tensor_parallel(*run, cfg);
   if (cfg.pipeline.stages > 1) place_pipeline(*run, cfg);
   check_weights_options(cfg, *run);
 

@@ -23,6 +23,7 @@
 #include "dist/communicator.h"
 #include "dist/data_parallel.h"
 #include "dist/pipeline.h"
+#include "dist/tensor_parallel_group.h"
 #include "memory/memory_monitor.h"
 #include "memory/memory_probe.h"
 #include "memory/oom_report.h"
@@ -53,6 +54,11 @@ struct Run {
   // hold the same stage. Rank r holds stage r / D as data-parallel rank r % D of D = ranks / P.
   std::unique_ptr<Communicator> pipeline_comm, data_comm;
   std::unique_ptr<Pipeline> pipeline;
+  // --tensor-parallel T: the T ranks that split each layer with this one (ranks t·1 .. neighbours:
+  // rank r holds share r % T, as data-parallel rank r / T of D = ranks / T); `data_comm` then holds
+  // the ranks of its share.
+  std::unique_ptr<Communicator> tensor_comm;
+  std::unique_ptr<TensorParallelGroup> tensor;
   std::optional<LossScaler> scaler;  // fp16-mixed
   std::unique_ptr<MemoryMonitor> monitor;
   LrSchedule schedule;
@@ -65,6 +71,9 @@ struct Run {
   double routing_skew = 0;
 
   const std::vector<NamedTensor>& parameters() const { return model->parameters(); }
+  // The model is split over ranks (pipeline stages, tensor parallel): an out-of-memory on one rank
+  // ends it, the others stopping when they lose contact with it.
+  bool model_parallel() const { return pipeline || tensor; }
   int rank() const { return comm ? comm->rank() : 0; }
   int ranks() const { return comm ? comm->size() : 1; }
   // The data-parallel ranks, which split the global batch's rows (a pipeline's stages do not).

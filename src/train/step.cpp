@@ -53,13 +53,16 @@ void update(Run& run, double lr, StepOutcome& out) {
   auto phase = run.monitor->phase(Phase::optimizer);
   DataParallel* replicas = run.replicas.get();
   Pipeline* pipe = run.pipeline.get();
+  TensorParallelGroup* tensor = run.tensor.get();
   if (replicas) replicas->reduce_gradients();
   // What the optimizer updates: the parameters, or this rank's slices of them (sharded).
   const std::vector<NamedTensor>& updated = replicas ? replicas->optimizer_parameters() : run.parameters();
   if (pipe) pipe->reduce_tied(updated);
-  // Whether a rank saw a non-finite gradient: over the data-parallel ranks, then over the stages.
-  const std::function<bool(bool)> across = [replicas, pipe](bool found) {
+  // Whether a rank saw a non-finite gradient: over the data-parallel ranks, then over the stages or
+  // the tensor-parallel shares.
+  const std::function<bool(bool)> across = [replicas, pipe, tensor](bool found) {
     if (replicas) found = replicas->any(found);
+    if (tensor) found = tensor->any(found);
     return pipe ? pipe->any(found) : found;
   };
   if (run.scaler) {
@@ -72,14 +75,16 @@ void update(Run& run, double lr, StepOutcome& out) {
         if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
       }
     }
-    out.skipped = replicas || pipe ? run.scaler->unscale(grads, across) : run.scaler->unscale(grads);
+    out.skipped = replicas || pipe || tensor ? run.scaler->unscale(grads, across) : run.scaler->unscale(grads);
   }
   if (!out.skipped) {
+    // Sharded, each of the stage's (or share's) data-parallel ranks holds a part of its gradients.
+    std::function<void(at::Tensor&)> data_sum;
+    if (replicas && replicas->sharded()) data_sum = [replicas](at::Tensor& t) { replicas->comm().allreduce(t); };
     if (pipe) {
-      // Sharded, each of the stage's data-parallel ranks holds a part of its gradients.
-      std::function<void(at::Tensor&)> data_sum;
-      if (replicas && replicas->sharded()) data_sum = [replicas](at::Tensor& t) { replicas->comm().allreduce(t); };
       out.grad_norm = pipe->clip_grad_norm(updated, run.config.grad_clip, data_sum);
+    } else if (tensor) {
+      out.grad_norm = tensor->clip_grad_norm(updated, *run.model, run.config.grad_clip, data_sum);
     } else {
       out.grad_norm = replicas ? replicas->clip_grad_norm(run.config.grad_clip)
                                : clip_grad_norm(run.parameters(), run.config.grad_clip);

@@ -17,12 +17,23 @@ at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}));
 }
 
+namespace {
+
+// The loss of the model's logits: tensor parallel, of this rank's vocabulary rows.
+at::Tensor logits_loss(const CausalLM& model, const at::Tensor& logits, const at::Tensor& targets) {
+  const TensorSlice& tp = model.tensor_slice();
+  return tp.whole() ? token_loss(logits, targets)
+                    : parallel_token_loss(logits, targets, tp, model.config().vocab_size);
+}
+
+}  // namespace
+
 at::Tensor model_loss(const CausalLM& model, const at::Tensor& inputs, const at::Tensor& targets,
                       const ForwardOptions& options, const LossSetting& loss, RouterOutput* router, at::Tensor* outputs) {
   if (!loss.chunked) {
     const at::Tensor logits = model.forward(inputs, options, router);
     if (outputs) *outputs = logits;
-    return token_loss(logits, targets);
+    return logits_loss(model, logits, targets);
   }
   const at::Tensor hidden = model.hidden_states(inputs, options, router);
   if (outputs) *outputs = hidden;
@@ -31,7 +42,8 @@ at::Tensor model_loss(const CausalLM& model, const at::Tensor& inputs, const at:
 
 at::Tensor head_loss(const CausalLM& model, const at::Tensor& hidden, const at::Tensor& targets,
                      const LossSetting& loss) {
-  if (!loss.chunked) return token_loss(at::linear(hidden, model.head_weight()), targets);
+  if (!loss.chunked) return logits_loss(model, model.head(hidden), targets);
+  TORCH_CHECK(model.tensor_slice().whole(), "--loss chunked with --tensor-parallel: not supported");
   const ModelConfig& c = model.config();
   const int64_t chunk = chunk_tokens(loss, targets.numel(), c.vocab_size, c.hidden_size);
   return chunked_token_loss(hidden, model.head_weight(), targets, chunk);

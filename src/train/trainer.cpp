@@ -235,6 +235,11 @@ void announce(const Run& run, int64_t start) {
                                                             shard_level_name(c.shard))
                                               : "",
                                  run.pipeline->layers().first, run.pipeline->layers().end - 1)
+      : run.tensor ? fmt::format(" x {} tensor-parallel ranks{} (this rank: share {})", run.tensor->ranks(),
+                                 run.replicas ? fmt::format(" x {} data-parallel (--shard {})", run.data_ranks(),
+                                                            shard_level_name(c.shard))
+                                              : "",
+                                 run.tensor->rank())
       : run.comm   ? fmt::format(" x {} ranks (--shard {})", run.ranks(), shard_level_name(c.shard))
                    : "";
   fmt::print(stderr,
@@ -424,8 +429,9 @@ TrainResult train(const RunConfig& cfg) {
   result.summary.ranks = run.ranks();
   // Every rank ends here together (an OOM, a divergence and an interrupt are agreed on), except
   // after an OOM inside the update, where the others are waiting in a collective.
-  // A pipeline's stage that ran out of memory leaves the others inside their schedules.
-  if (run.comm && !(result.oom && (result.oom->during_update || run.pipeline))) {
+  // A pipeline's stage (or a tensor-parallel share) that ran out of memory leaves the others inside
+  // their schedules.
+  if (run.comm && !(result.oom && (result.oom->during_update || run.model_parallel()))) {
     at::Tensor mine = at::full({1}, result.summary.peak_bytes, at::kLong);
     at::Tensor all = at::empty({run.ranks()}, at::kLong);
     run.comm->allgather(all, mine);

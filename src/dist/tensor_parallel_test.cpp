@@ -1,0 +1,256 @@
+// Tensor parallel: a model split over T shares computes what the whole model does (in one process,
+// a thread per share, their sums through an in-process collective), and training on 2 and 4 cpu
+// ranks under torchrun (Gloo over loopback) against one process on the same global batch.
+#include "dist/tensor_parallel_group.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <map>
+#include <thread>
+
+#include "config/model_config.h"
+#include "dist/data_parallel_testing.h"
+#include "testing/command.h"
+#include "testing/jsonl.h"
+#include "testing/temp_dir.h"
+#include "train/step_ops.h"
+#include "util/error.h"
+
+namespace headroom {
+namespace {
+
+using data_parallel_testing::launch;
+using testing::read_jsonl;
+using testing::run_command;
+using testing::TempDir;
+
+// T shares in one process, a thread each: the sum (or max) of their tensors in share order, the same
+// on every share.
+class LocalShares {
+ public:
+  explicit LocalShares(int n) : n_(n), slots_(static_cast<size_t>(n)), barrier_(n) {}
+  TensorSlice slice(int rank) {
+    TensorSlice s;
+    s.rank = rank;
+    s.ranks = n_;
+    s.allreduce = [this, rank](at::Tensor& t, bool max) {
+      slots_[static_cast<size_t>(rank)] = t.clone();
+      barrier_.arrive_and_wait();
+      at::Tensor r = slots_[0].clone();
+      for (size_t k = 1; k < slots_.size(); ++k) r = max ? at::maximum(r, slots_[k]) : r + slots_[k];
+      barrier_.arrive_and_wait();
+      t.copy_(r);
+    };
+    return s;
+  }
+
+ private:
+  int n_;
+  std::vector<at::Tensor> slots_;
+  std::barrier<> barrier_;
+};
+
+// The whole model's tensor `whole` from the shares' `parts` as Megatron lays them out, worked out
+// from the shapes alone: equal shapes are replicas (each must be the whole); a fused q/k/v (gpt2's,
+// key/value heads as many as query heads) is cut in thirds per share; shares whose sizes along the
+// differing dimension add up to the whole's are its pieces in order; more than that are key/value
+// heads replicated over T / kv consecutive shares. Returns the largest difference, or -1 when a
+// share does not belong where it should.
+double largest_gap(const std::string& name, const at::Tensor& whole, const std::vector<at::Tensor>& parts) {
+  double worst = 0;
+  auto gap = [&](const at::Tensor& a, const at::Tensor& b) {
+    if (a.sizes() != b.sizes()) return -1.0;
+    return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+  };
+  auto keep = [&](double g) { worst = g < 0 || worst < 0 ? -1 : std::max(worst, g); };
+  if (parts[0].sizes() == whole.sizes()) {
+    for (const at::Tensor& p : parts) keep(gap(p, whole));
+    return worst;
+  }
+  int64_t dim = 0;
+  while (parts[0].size(dim) == whole.size(dim)) ++dim;
+  int64_t total = 0;
+  for (const at::Tensor& p : parts) total += p.size(dim);
+  if (name.find("attn.qkv.") != std::string::npos) {
+    std::vector<at::Tensor> q, k, v;
+    for (const at::Tensor& p : parts) {
+      auto thirds = p.chunk(3, dim);
+      q.push_back(thirds[0]);
+      k.push_back(thirds[1]);
+      v.push_back(thirds[2]);
+    }
+    return gap(at::cat({at::cat(q, dim), at::cat(k, dim), at::cat(v, dim)}, dim), whole);
+  }
+  if (total == whole.size(dim)) return gap(at::cat(parts, dim), whole);
+  const auto copies = static_cast<int64_t>(parts.size()) * parts[0].size(dim) / whole.size(dim);
+  for (size_t t = 0; t < parts.size(); ++t) {
+    const int64_t size = parts[t].size(dim);
+    keep(gap(parts[t], whole.narrow(dim, static_cast<int64_t>(t) / copies * size, size)));
+  }
+  return worst;
+}
+
+// Qwen3's widths and vocabulary (tied, per-head q/k norms) split in two and, untied with 2 key/value
+// heads, in four (each replicated on two shares); GPT-2's (fused q/k/v with biases, layer norms, learned
+// positions, an odd vocabulary of 50257 split unevenly) in two. One layer each, float32: each share's
+// parameters are the whole model's of the same seed, cut; the loss is the whole model's; and after
+// backward every share's gradients are the whole model's, cut, its replicas' equal to the whole's.
+TEST(TensorParallelModel, SharesComputeWhatTheWholeModelDoes) {
+  struct Case {
+    std::string model;
+    std::vector<std::string> overrides;
+    int shares;
+  };
+  for (const Case& k : std::vector<Case>{
+           {"qwen3-0.6b", {"num_hidden_layers=1"}, 2},
+           {"qwen3-0.6b", {"num_hidden_layers=1", "num_key_value_heads=2", "tie_word_embeddings=false"}, 4},
+           {"gpt2", {"n_layer=1", "resid_pdrop=0", "embd_pdrop=0", "attn_pdrop=0"}, 2},
+       }) {
+    SCOPED_TRACE(fmt::format("{} over {}", k.model, k.shares));
+    const ModelConfig c = load_model_config(k.model, k.overrides);
+    const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+    const ForwardOptions o{AttentionPath::math, /*training=*/true};
+    const at::Tensor ids = at::randint(c.vocab_size, {2, 16}, f32.dtype(at::kLong));
+    const at::Tensor targets = at::randint(c.vocab_size, {2, 16}, f32.dtype(at::kLong));
+    const CausalLM whole(c, f32, 11);
+    const at::Tensor whole_loss = token_loss(whole.forward(ids, o), targets);
+    whole_loss.backward();
+
+    LocalShares shares(k.shares);
+    std::vector<std::unique_ptr<CausalLM>> models(static_cast<size_t>(k.shares));
+    std::vector<double> losses(static_cast<size_t>(k.shares));
+    std::vector<std::thread> threads;
+    for (int t = 0; t < k.shares; ++t) {
+      threads.emplace_back([&, t] {
+        ModelStage stage;
+        stage.tensor = shares.slice(t);
+        auto& m = models[static_cast<size_t>(t)];
+        m = std::make_unique<CausalLM>(c, f32, 11, CausalLM::KeepParameter{}, Finetune{}, true, BaseWeights::dense,
+                                       stage);
+        const at::Tensor loss = model_loss(*m, ids, targets, o, LossSetting{});
+        loss.backward();
+        losses[static_cast<size_t>(t)] = loss.item<double>();
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int t = 0; t < k.shares; ++t) {
+      EXPECT_NEAR(losses[static_cast<size_t>(t)], whole_loss.item<double>(), 1e-5) << "share " << t;
+    }
+    for (size_t i = 0; i < whole.parameters().size(); ++i) {
+      const NamedTensor& p = whole.parameters()[i];
+      std::vector<at::Tensor> weights, grads;
+      for (const auto& m : models) {
+        ASSERT_EQ(m->parameters()[i].name, p.name);
+        weights.push_back(m->parameters()[i].tensor.detach());
+        grads.push_back(m->parameters()[i].tensor.grad());
+      }
+      EXPECT_EQ(largest_gap(p.name, p.tensor.detach(), weights), 0.0) << p.name;
+      const double scale = p.tensor.grad().abs().max().item<double>();
+      const double g = largest_gap(p.name, p.tensor.grad(), grads);
+      EXPECT_GE(g, 0.0) << p.name;
+      EXPECT_LE(g, 1e-4 * scale + 1e-9) << p.name << " (largest gradient " << scale << ")";
+    }
+  }
+}
+
+// What cannot be split is refused in one line naming what is accepted.
+TEST(TensorParallelModel, ModelsThatDoNotSplitAreRefused) {
+  const ModelConfig qwen = load_model_config("qwen3-0.6b", {"num_hidden_layers=1"});
+  EXPECT_NO_THROW(check_tensor_parallel(qwen, 16));  // 8 key/value heads, each on 2 ranks
+  EXPECT_THAT([&] { check_tensor_parallel(qwen, 3); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("16 attention heads do not split evenly")));
+  const ModelConfig kv3 = load_model_config("qwen3-0.6b", {"num_hidden_layers=1", "num_key_value_heads=4",
+                                                           "num_attention_heads=24", "head_dim=64"});
+  EXPECT_NO_THROW(check_tensor_parallel(kv3, 8));
+  EXPECT_THAT([&] { check_tensor_parallel(kv3, 6); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("neither split evenly over 6 ranks")));
+  EXPECT_THAT([&] { check_tensor_parallel(load_model_config("qwen3-30b-a3b", {"num_hidden_layers=1"}), 2); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("a mixture of experts")));
+  EXPECT_NE(kv_replication_note(qwen, 16).find("each on 2 of the 16"), std::string::npos);
+  EXPECT_EQ(kv_replication_note(qwen, 8), "");
+}
+
+// Qwen3's widths and vocabulary (2 layers) on 2 tensor-parallel ranks and on 2 x 2 (data parallel
+// over the shares, the optimizer state sharded), against one process on the same global batch, Adam
+// with clipping: the final and held-out losses within 1e-4; each rank's peak in every step below the
+// one process's and within 0.1% of its estimated step peak (estimate --world-size N --tensor-parallel 2).
+TEST(TensorParallel, RanksTrainAsOneProcess) {
+  const std::string shape = "--device cpu --model qwen3-0.6b --set num_hidden_layers=2 --seq 32 --accum 2";
+  const std::string common = "train " + shape + " --steps 3 --eval-rows 4 --quiet --json --lr 0.001 --grad-clip 1";
+  const auto alone = run_command(fmt::format("env OMP_NUM_THREADS=1 {} {} --batch 2", HEADROOM_BINARY, common));
+  ASSERT_EQ(alone.code, 0) << alone.out;
+  const auto a = nlohmann::json::parse(alone.out);
+  struct Layout {
+    int ranks;
+    std::string flags;
+  };
+  for (const Layout& l : {Layout{2, "--tensor-parallel 2 --batch 2"},
+                          Layout{4, "--tensor-parallel 2 --shard optimizer --batch 1"}}) {
+    SCOPED_TRACE(l.flags);
+    TempDir dir;
+    const auto ranks = launch(l.ranks, HEADROOM_BINARY,
+                              fmt::format("{} {} --metrics {} 2>/dev/null", common, l.flags, dir.file("m.jsonl")));
+    ASSERT_EQ(ranks.code, 0) << ranks.out;
+    const auto p = nlohmann::json::parse(ranks.out.substr(ranks.out.find('{')));
+    EXPECT_NEAR(p.at("final_loss").get<double>(), a.at("final_loss").get<double>(), 1e-4);
+    EXPECT_NEAR(p.at("eval_loss").get<double>(), a.at("eval_loss").get<double>(), 1e-4);
+    const auto estimated = run_command(
+        fmt::format("{} estimate {} {} --world-size {} --json --quiet", HEADROOM_BINARY, shape, l.flags, l.ranks));
+    ASSERT_EQ(estimated.code, 0) << estimated.out;
+    // The step's peak (the metrics' is the step's; setup's, drawing each whole tensor before cutting
+    // its share, is apart).
+    double predicted = 0;
+    for (const auto& [phase, bytes] : nlohmann::json::parse(estimated.out).at("phases").items()) {
+      predicted = std::max(predicted, bytes.get<double>());
+    }
+    for (int r = 0; r < l.ranks; ++r) {
+      SCOPED_TRACE(fmt::format("rank {}", r));
+      const auto steps = read_jsonl(r == 0 ? dir.file("m.jsonl") : dir.file(fmt::format("m.rank{}.jsonl", r)));
+      ASSERT_EQ(steps.size(), 3u);
+      for (const auto& step : steps) {
+        const auto measured = step.at("peak_bytes").get<double>();
+        EXPECT_LT(measured, a.at("peak_bytes").get<double>());
+        EXPECT_NEAR(predicted, measured, measured * 1e-3);
+      }
+    }
+  }
+}
+
+// One of two tensor-parallel ranks is killed once training runs: the other ends with one line
+// saying so, well within its timeout.
+TEST(TensorParallel, AKilledRankEndsTheOtherWithAnError) {
+  const data_parallel_testing::PeerLoss r = data_parallel_testing::lose_peer("--tensor-parallel 2", "KILL");
+  ASSERT_GE(r.ms, 0) << r.script_out;
+  EXPECT_EQ(r.rc, kExitUsage) << r.err;
+  EXPECT_LT(r.ms, 40'000) << "the 10 s timeout (and the time to report) was not kept";
+  EXPECT_THAT(r.err, ::testing::HasSubstr("rank 0: lost contact with"));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+// Layouts that cannot work are refused before anything trains, in one line each.
+TEST(TensorParallel, ImpossibleLayoutsAreRefused) {
+  const std::string base = "train --device cpu --model tiny --steps 1 --seq 32 --eval-rows 0 --quiet";
+  struct Case {
+    int ranks;
+    std::string flags, says;
+  };
+  for (const Case& c : std::vector<Case>{
+           {2, "--tensor-parallel 3", "--tensor-parallel 3 needs a multiple of 3 ranks"},
+           {2, "--tensor-parallel 2 --shard optimizer", "--shard optimizer with --tensor-parallel 2 on 2 ranks"},
+           {2, "--tensor-parallel 2 --pipeline 2", "--tensor-parallel with --pipeline: not supported yet"},
+           {2, "--tensor-parallel 2 --optimizer adafactor", "--optimizer adafactor with --tensor-parallel"},
+           {2, "--tensor-parallel 2 --checkpoint " + TempDir().path(), "--checkpoint with --tensor-parallel"},
+       }) {
+    SCOPED_TRACE(c.flags);
+    const auto r = launch(c.ranks, HEADROOM_BINARY, base + " " + c.flags);
+    EXPECT_NE(r.code, 0);
+    EXPECT_THAT(r.out, ::testing::HasSubstr(c.says));
+  }
+}
+
+}  // namespace
+}  // namespace headroom
