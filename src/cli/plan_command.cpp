@@ -30,6 +30,8 @@ struct PlanOptions {
   std::string emit;  // "hf", "lightning", "torch" or "toml": the best plan as settings to paste
   double flops = 1e12;                             // --flops-per-second
   double link = CostModel::kLinkBytesPerSecond;    // --link-bytes-per-second
+  double node_link = CostModel::kNodeLinkBytesPerSecond;  // --node-link-bytes-per-second
+  int64_t gpus_per_node = 8;                               // --gpus-per-node
 };
 
 // The best plan as the settings --emit names: Python source, or a run file.
@@ -73,6 +75,8 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
   r.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   r.assumed_flops = o.flops;
   r.link_bytes_per_second = o.link;
+  r.node_link_bytes_per_second = o.node_link;
+  r.max_tensor_parallel = o.gpus_per_node;
   r.allow_optimizer_change = o.allow_optimizer_change;
   for (const std::string& lever : o.allow) {
     if (lever == "optimizer") r.allow_optimizer_change = true;
@@ -121,11 +125,13 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
       "to host memory only where --allow lists them), peak predicted by the estimator, step time by a cost\n"
       "model calibrated with a few timed steps on this machine (and, where a plan offloads, timed copies\n"
       "to host memory and back). With --world-size N (ranks under torchrun) the layout is a lever too:\n"
-      "P pipeline stages (each divisor of N up to the layers) of N/P data-parallel ranks, which split\n"
-      "the global batch, and the shard level (none, optimizer, gradients, full) within them; peaks are per\n"
-      "rank (the largest stage's), and the step's compute, pipeline bubble, transfers between stages and\n"
-      "collectives are printed, the last two at an assumed link speed; nothing is launched (the\n"
-      "calibration times one process). Exit code 3 when nothing fits.");
+      "P pipeline stages (each divisor of N up to the layers), or T tensor-parallel ranks inside a node\n"
+      "(each divisor up to --gpus-per-node that the heads, MLP and vocabulary split over), of N/(P·T)\n"
+      "data-parallel ranks, which split the global batch, and the shard level (none, optimizer, gradients,\n"
+      "full) within them; peaks are per rank (the largest stage's or share's), and the step's compute,\n"
+      "pipeline bubble, transfers between stages, data-parallel collectives and tensor-parallel sums are\n"
+      "printed, the last three at assumed link speeds; nothing is launched (the calibration times one\n"
+      "process). Exit code 3 when nothing fits.");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "seq", "seed", "device", "precision", "optimizer",
                                      "optimizer-impl", "moe-routing", "finetune", "base-weights", "offload", "loss", "memory-budget", "threads", "world-size", "json",
                                      "quiet"});
@@ -158,6 +164,13 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
                   "the link between ranks that collectives and pipeline transfers cross, bytes a second each way\n"
                   "(default 5e9; NVLink within a node is nearer 3e11, InfiniBand between nodes 2.5e10 to 5e10)")
       ->check(CLI::Range(1e6, 1e13));
+  cmd->add_option("--node-link-bytes-per-second", o->node_link,
+                  "the link inside a node that tensor-parallel sums cross, bytes a second each way (default 1.5e11,\n"
+                  "an NVLink's order)")
+      ->check(CLI::Range(1e6, 1e13));
+  cmd->add_option("--gpus-per-node", o->gpus_per_node,
+                  "the most tensor-parallel ranks a plan may use: they stay inside a node (default 8)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
   cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all)")->check(CLI::Range(1, 100000));
   cmd->callback([config, o, &run] {
     run = [config, o]() -> int {
@@ -184,8 +197,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,
                    format_bytes(r.budget), 100 * r.margin);
         const bool ranks = world_size_of(cfg) > 1;
-        const bool pipelines = std::any_of(result.plans.begin(), result.plans.end(),
-                                           [](const Plan& p) { return p.pipeline.stages > 1; });
+        const bool pipelines = std::any_of(result.plans.begin(), result.plans.end(), [](const Plan& p) {
+          return p.pipeline.stages > 1 || p.tensor_parallel > 1;
+        });
         const bool offloads = r.allow_offload || r.base.offload != Offload::none;
         const size_t n = std::min<size_t>(result.plans.size(), static_cast<size_t>(o->top));
         size_t offload_width = 7, loss_width = 4;
@@ -198,14 +212,16 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         };
         fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{}{:>11} {:>10}\n", "micro", "accum",
                    "precision", "checkpoint", "attn", "optimizer", "loss", loss_width, offload_cell("offload"),
-                   pipelines ? fmt::format("{:<9} ", "stages") : "", ranks ? fmt::format("{:<10} ", "shard") : "",
+                   pipelines ? fmt::format("{:<9} ", "layout") : "", ranks ? fmt::format("{:<10} ", "shard") : "",
                    ranks ? "peak/rank" : "peak", "step time");
         for (size_t i = 0; i < n; ++i) {
           const Plan& p = result.plans[i];
           fmt::print("{:>6} {:>6}  {:<11} {:<13} {:<6} {:<10} {:<{}} {}{}{}{:>11} {:>9.2f}x\n", p.batch, p.accum,
                      precision_name(p.precision), p.checkpointing.name(), attention_path_name(p.attention),
                      optimizer_name(p.optimizer), p.loss.name(), loss_width, offload_cell(offload_name(p.offload)),
-                     pipelines ? fmt::format("{:<9} ", fmt::format("{}x{}", p.pipeline.stages, p.world)) : "",
+                     pipelines ? fmt::format("{:<9} ", fmt::format("{}x{}x{}", p.pipeline.stages, p.tensor_parallel,
+                                                                   p.world))
+                               : "",
                      ranks ? fmt::format("{:<10} ", p.world > 1 ? shard_level_name(p.shard) : "-") : "",
                      format_bytes(p.predicted_peak_bytes), p.predicted_step_time_ratio);
         }
@@ -214,18 +230,21 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
           const Plan::Terms& t = best.terms;
           fmt::print(
               "\nThe fastest plan's step, {:.3g} s: compute {:.3g} s{}, pipeline bubble {:.3g} s, transfers between "
-              "stages {:.3g} s, data-parallel collectives {:.3g} s, other {:.3g} s (compute {}; collectives and "
-              "transfers at an assumed {:.3g} GB/s link).\n",
+              "stages {:.3g} s, data-parallel collectives {:.3g} s, tensor-parallel sums {:.3g} s, other {:.3g} s "
+              "(compute {}; collectives and transfers at an assumed {:.3g} GB/s link, tensor-parallel sums at an "
+              "assumed {:.3g} GB/s inside a node).\n",
               best.predicted_step_seconds, t.compute,
               best.pipeline.stages > 1
                   ? fmt::format(" (the {} stages' largest share of every micro-batch)", best.pipeline.stages)
-                  : "",
-              t.bubble, t.pipeline_transfers, t.collectives, t.other,
+              : best.tensor_parallel > 1 ? fmt::format(" (1/{} of every matmul per rank)", best.tensor_parallel)
+                                         : "",
+              t.bubble, t.pipeline_transfers, t.collectives, t.tensor_collectives, t.other,
               result.calibrated ? "timed on this machine"
                                 : fmt::format("not timed: FLOPs at an assumed {:.3g} FLOP/s", result.assumed_flops),
-              result.link_bytes_per_second / 1e9);
+              result.link_bytes_per_second / 1e9, result.node_link_bytes_per_second / 1e9);
           if (pipelines) {
-            fmt::print("stages: pipeline stages x data-parallel ranks each; peak/rank is the largest stage's.\n");
+            fmt::print("layout: pipeline stages x tensor-parallel ranks x data-parallel ranks; peak/rank is the "
+                       "largest stage's or share's.\n");
           }
         }
         if (offloads) {

@@ -306,7 +306,7 @@ TEST(Pipeline, ImpossibleLayoutsAreRefused) {
            {2, "--pipeline 2 --shard optimizer", "--shard optimizer with --pipeline 2 on 2 ranks"},
            {4, "--pipeline 2 --shard full", "--shard full with --pipeline: not supported yet"},
            {2, "--pipeline 2 --pipeline-split 0:1,1:3", "ends at layer 3"},
-           {2, "--pipeline 2 --checkpoint " + TempDir().path(), "--checkpoint with --pipeline"},
+           {2, "--pipeline 2 --save-weights " + TempDir().path(), "--save-weights with --pipeline"},
        }) {
     SCOPED_TRACE(c.flags);
     const auto r = launch(c.ranks, HEADROOM_BINARY, base + " " + c.flags);

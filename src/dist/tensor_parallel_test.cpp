@@ -220,6 +220,37 @@ TEST(TensorParallel, RanksTrainAsOneProcess) {
   }
 }
 
+// A run split over 2 ranks (2 tensor-parallel shares; 2 pipeline stages) stopped at step 2 with
+// --checkpoint and resumed to step 4 ends where the same run without a stop does, bit for bit (each
+// rank's file holds its share's or stage's weights and optimizer state); resuming it in another
+// layout, or in one process, is refused in one line.
+TEST(TensorParallel, ACheckpointResumesInTheLayoutThatSavedIt) {
+  const std::string common = fmt::format(
+      "train --device cpu --model tiny --seq 32 --batch 2 --accum 2 --eval-rows 0 --quiet --json --steps 4");
+  auto final_loss = [](const testing::CommandResult& r) {
+    EXPECT_EQ(r.code, 0) << r.out;
+    return nlohmann::json::parse(r.out.substr(r.out.rfind("\n{") + 1)).at("final_loss").get<double>();
+  };
+  for (const std::string layout : {"--tensor-parallel 2", "--pipeline 2"}) {
+    SCOPED_TRACE(layout);
+    TempDir dir;
+    const double straight = final_loss(launch(2, HEADROOM_BINARY, common + " " + layout + " 2>/dev/null"));
+    const auto stopped = launch(2, HEADROOM_BINARY,
+                                fmt::format("{} {} --stop-at 2 --checkpoint {} 2>/dev/null", common, layout,
+                                            dir.file("ck")));
+    ASSERT_EQ(stopped.code, 0) << stopped.out;
+    const double resumed =
+        final_loss(launch(2, HEADROOM_BINARY, fmt::format("{} {} --resume {} 2>/dev/null", common, layout, dir.file("ck"))));
+    EXPECT_EQ(resumed, straight);
+    const auto other = launch(2, HEADROOM_BINARY, fmt::format("{} --resume {}", common, dir.file("ck")));
+    EXPECT_NE(other.code, 0);
+    EXPECT_THAT(other.out, ::testing::HasSubstr("resumes only in the layout that saved it"));
+    const auto alone = run_command(fmt::format("{} {} --resume {} 2>&1", HEADROOM_BINARY, common, dir.file("ck")));
+    EXPECT_EQ(alone.code, kExitUsage);
+    EXPECT_THAT(alone.out, ::testing::HasSubstr("was saved by 2 ranks with " + layout));
+  }
+}
+
 // One of two tensor-parallel ranks is killed once training runs: the other ends with one line
 // saying so, well within its timeout.
 TEST(TensorParallel, AKilledRankEndsTheOtherWithAnError) {
@@ -243,7 +274,7 @@ TEST(TensorParallel, ImpossibleLayoutsAreRefused) {
            {2, "--tensor-parallel 2 --shard optimizer", "--shard optimizer with --tensor-parallel 2 on 2 ranks"},
            {2, "--tensor-parallel 2 --pipeline 2", "--tensor-parallel with --pipeline: not supported yet"},
            {2, "--tensor-parallel 2 --optimizer adafactor", "--optimizer adafactor with --tensor-parallel"},
-           {2, "--tensor-parallel 2 --checkpoint " + TempDir().path(), "--checkpoint with --tensor-parallel"},
+           {2, "--tensor-parallel 2 --save-weights " + TempDir().path(), "--save-weights with --tensor-parallel"},
        }) {
     SCOPED_TRACE(c.flags);
     const auto r = launch(c.ranks, HEADROOM_BINARY, base + " " + c.flags);

@@ -75,7 +75,10 @@ void StepReplay::micro_batch(int64_t rows) {
   const int64_t t = s_.seq;
   const int batch_lbl = mem_.label("batch", Category::other, "token ids, B·(T+1) int64, and the targets' copy");
   const int loss_lbl = mem_.label("loss buffers", Category::loss,
-                                  "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient");
+                                  stage_.tensor.whole()
+                                      ? "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient"
+                                      : "float32 softmax of this rank's vocabulary rows kept for backward, "
+                                        "B·T·vocab/T × 4, and its gradient");
   mem_.set_phase(Phase::data);
   dp_.start_micro_batch();
   Ref batch = mem_.allocate(rows * (t + 1) * 8, batch_lbl);

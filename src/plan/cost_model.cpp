@@ -127,6 +127,17 @@ double CostModel::pipeline_transfer_seconds(const ModelConfig& model, int64_t ro
   return transfers * (bytes / link_ + kCollectiveLatencySeconds);
 }
 
+double CostModel::tensor_parallel_seconds(const ModelConfig& model, int64_t rows, int64_t seq, Precision precision,
+                                          int64_t ranks, int64_t micro_batches) const {
+  if (ranks <= 1) return 0;
+  const double elem = precision == Precision::fp32 ? 4.0 : 2.0;  // the row-parallel matmuls' output
+  const double bytes = static_cast<double>(rows * seq * model.hidden_size) * elem;
+  const double part = 2.0 * static_cast<double>(ranks - 1) / static_cast<double>(ranks);
+  const auto sums = static_cast<double>(4 * model.num_layers + 2);
+  return static_cast<double>(micro_batches) *
+         (sums * (part * bytes / node_link_ + kCollectiveLatencySeconds) + 3 * kCollectiveLatencySeconds);
+}
+
 double CostModel::communication_seconds(const ModelConfig& model, Precision precision, int64_t world,
                                         ShardLevel shard, int64_t accum) const {
   if (world <= 1) return 0;

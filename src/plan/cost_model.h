@@ -88,6 +88,15 @@ class CostModel {
   // for one stage.
   double pipeline_transfer_seconds(const ModelConfig& model, int64_t rows, int64_t seq, Precision precision,
                                    int64_t stages, int64_t micro_batches) const;
+  // Seconds a step's tensor-parallel sums add on each of `ranks` ranks with `micro_batches`
+  // micro-batches of `rows` x `seq`: per micro-batch, every layer's two block outputs summed in
+  // forward and two inputs' gradients in backward, the embedding's sum and the head input's gradient
+  // (4·layers + 2 ring allreduces of [rows, seq, hidden] in the activations' dtype, 2(T-1)/T of it
+  // each way), and the loss's three per-token sums (latency), over the node's link
+  // (kNodeLinkBytesPerSecond, assumed: tensor parallel stays inside a node). 0 for one rank.
+  double tensor_parallel_seconds(const ModelConfig& model, int64_t rows, int64_t seq, Precision precision,
+                                 int64_t ranks, int64_t micro_batches) const;
+  static constexpr double kNodeLinkBytesPerSecond = 1.5e11;
   // What the state levers add to a step, over the update of the optimizer they replace (not
   // measured; assumed constants): adamw8bit's blockwise loop, kQuantisedUpdateSeconds per trained
   // parameter; an offloaded optimizer, its gradients copied to the host and its parameters back over
@@ -105,6 +114,8 @@ class CostModel {
   void set_assumed_flops(double per_second) { assumed_flops_ = per_second; }
   double assumed_flops() const { return assumed_flops_; }
   void set_link(double bytes_per_second) { link_ = bytes_per_second; }
+  void set_node_link(double bytes_per_second) { node_link_ = bytes_per_second; }
+  double node_link() const { return node_link_; }
   double link() const { return link_; }
   bool calibrated() const { return !fits_.empty(); }
   const std::map<Precision, StepTimeFit>& fits() const { return fits_; }
@@ -114,6 +125,7 @@ class CostModel {
   double host_link_ = kHostLinkBytesPerSecond;
   double assumed_flops_ = 1e12;
   double link_ = kLinkBytesPerSecond;
+  double node_link_ = kNodeLinkBytesPerSecond;
   bool host_link_measured_ = false;
 };
 

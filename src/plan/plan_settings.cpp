@@ -97,6 +97,12 @@ nlohmann::json training_arguments(const Plan& p) {
         "torch.distributed.pipelining's Schedule1F1B with {} micro-batches",
         p.pipeline.stages, p.pipeline.stages, p.accum));
   }
+  if (p.tensor_parallel > 1) {
+    notes.push_back(fmt::format(
+        "tensor parallel {} has no TrainingArguments setting: headroom train --tensor-parallel {} under torchrun, "
+        "or torch.distributed.tensor.parallel's ColwiseParallel/RowwiseParallel plan over a {}-rank mesh",
+        p.tensor_parallel, p.tensor_parallel, p.tensor_parallel));
+  }
   if (p.ranks() > 1) {
     notes.push_back(fmt::format("launch with torchrun --nproc-per-node {}; the batch sizes are per data-parallel rank",
                                 p.ranks()));
@@ -176,6 +182,12 @@ nlohmann::json lightning_trainer_kwargs(const Plan& p) {
         "pipeline {} stages has no Lightning strategy: headroom train --pipeline {} under torchrun, or "
         "torch.distributed.pipelining's Schedule1F1B in the module",
         p.pipeline.stages, p.pipeline.stages));
+  }
+  if (p.tensor_parallel > 1) {
+    notes.push_back(fmt::format(
+        "tensor parallel {} has no Lightning strategy setting here: headroom train --tensor-parallel {} under "
+        "torchrun, or Lightning's ModelParallelStrategy with a parallelize_module plan",
+        p.tensor_parallel, p.tensor_parallel));
   }
   if (p.world > 1) {
     trainer["devices"] = p.world;

@@ -11,6 +11,7 @@
 
 #include "dist/pipeline_schedule.h"
 #include "estimate/estimator.h"
+#include "model/tensor_parallel.h"
 #include "plan/levers.h"
 #include "util/error.h"
 
@@ -28,12 +29,14 @@ nlohmann::json Plan::to_json() const {
           {"shard", shard_level_name(shard)},
           {"world_size", ranks()},
           {"pipeline", pipeline.stages},
+          {"tensor_parallel", tensor_parallel},
           {"data_parallel", world},
           {"predicted_step_terms",
            {{"compute_seconds", terms.compute},
             {"bubble_seconds", terms.bubble},
             {"pipeline_transfer_seconds", terms.pipeline_transfers},
             {"collective_seconds", terms.collectives},
+            {"tensor_parallel_seconds", terms.tensor_collectives},
             {"other_seconds", terms.other}}},
           {"predicted_peak_bytes", predicted_peak_bytes},
           {"predicted_step_seconds", predicted_step_seconds},
@@ -44,9 +47,11 @@ std::string Plan::describe() const {
   std::string offloaded;
   if (offloads_optimizer(offload)) offloaded += " offloaded to host memory";
   if (offloads_activations(offload)) offloaded += ", activations offloaded to host memory";
-  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}{}{}", batch, accum,
+  return fmt::format("micro-batch {} x accum {}, {}, checkpointing {}, {} attention, {}{}{}{}{}", batch, accum,
                      precision_name(precision), checkpointing.name(), attention_path_name(attention),
                      optimizer_name(optimizer), offloaded, loss.chunked ? ", chunked loss" : "",
+                     tensor_parallel > 1 ? fmt::format(", each layer split over {} tensor-parallel ranks", tensor_parallel)
+                                         : "",
                      pipeline.stages > 1
                          ? fmt::format(", {} pipeline stages x {} rank{} each{}", pipeline.stages, world,
                                        world == 1 ? "" : "s",
@@ -63,6 +68,7 @@ nlohmann::json PlanResult::to_json() const {
           {"calibrated", calibrated},
           {"assumed_flops_per_second", calibrated ? nlohmann::json() : nlohmann::json(assumed_flops)},
           {"link_bytes_per_second", link_bytes_per_second},
+          {"node_link_bytes_per_second", node_link_bytes_per_second},
           {"host_link", {{"bytes_per_second", host_link_bytes_per_second}, {"measured", host_link_measured}}}};
 }
 
@@ -103,6 +109,21 @@ std::vector<int64_t> layout_stages(int64_t world, int64_t layers) {
   return out;
 }
 
+// The tensor-parallel widths to consider on `ranks` ranks: its divisors up to `most` that `model`
+// splits over (model/tensor_parallel.h), 1 among them.
+std::vector<int64_t> tensor_parallel_widths(const ModelConfig& model, int64_t ranks, int64_t most) {
+  std::vector<int64_t> out{1};
+  for (int64_t t = 2; t <= std::min(ranks, most); ++t) {
+    if (ranks % t != 0) continue;
+    try {
+      check_tensor_parallel(model, t);
+      out.push_back(t);
+    } catch (const Error&) {
+    }
+  }
+  return out;
+}
+
 std::vector<int64_t> micro_batches(int64_t global) {
   std::set<int64_t> out;
   for (int64_t d = 1; d * d <= global; ++d) {
@@ -132,9 +153,13 @@ PlanResult fitting_plans(const PlanRequest& r) {
   // The layouts: P pipeline stages (a divisor of the ranks, at most one per layer) of world / P
   // data-parallel ranks each; P > 1 where train runs a pipeline (every parameter trained, nothing
   // offloaded), and its rows are split over the data-parallel ranks only.
+  // Within each, T tensor-parallel ranks (a divisor of what is left, up to a node's, that the model's
+  // heads, inner dimension and vocabulary split over), not with a pipeline (train refuses both).
   for (int64_t stages : layout_stages(world, model.num_layers)) {
   if (stages > 1 && (!r.base.finetune.full() || r.base.offload != Offload::none)) continue;
-  const int64_t data_ranks = world / stages;
+  for (int64_t tensor : tensor_parallel_widths(model, world / stages, stages > 1 ? 1 : r.max_tensor_parallel)) {
+  if (tensor > 1 && (!r.base.finetune.full() || r.base.offload != Offload::none)) continue;
+  const int64_t data_ranks = world / stages / tensor;
   if (r.global_batch % data_ranks != 0) continue;
   const int64_t per_rank = r.global_batch / data_ranks;
   for (int64_t micro : micro_batches(per_rank)) {
@@ -145,9 +170,11 @@ PlanResult fitting_plans(const PlanRequest& r) {
                optimizer_settings(r.base.optimizer, r.allow_optimizer_change, r.allow_adamw8bit)) {
             for (Offload offload : offload_settings(r.base.offload, r.allow_offload, world)) {
             if (!trainable_where(optimizer, offload, base_spec.cuda)) continue;
+            if (tensor > 1 && (optimizer == OptimizerKind::adafactor || optimizer == OptimizerKind::adamw8bit)) continue;
             for (ShardLevel shard : shard_settings(data_ranks)) {
-            if (stages > 1 && shard == ShardLevel::full) continue;  // train refuses it
+            if ((stages > 1 || tensor > 1) && shard == ShardLevel::full) continue;  // train refuses it
             for (const LossSetting& loss : loss_settings(r.base.loss, shard, data_ranks)) {
+              if (tensor > 1 && loss.chunked) continue;  // train refuses it
               TrainSpec spec = base_spec;
               spec.loss = loss;
               spec.batch = micro;
@@ -160,6 +187,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
               spec.world = data_ranks;
               spec.shard = shard;
               spec.pipeline = PipelineLayout{stages, {}};
+              spec.tensor_parallel = tensor;
               spec.stage = -1;
               spec.every_stage = false;
               candidates.push_back(spec);
@@ -170,6 +198,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
         }
       }
     }
+  }
   }
   }
   if (candidates.empty()) {
@@ -226,20 +255,25 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
       for (const LayerRange& range : pipeline_stages(model, p.pipeline)) most = std::max(most, range.end - range.first);
       share = static_cast<double>(most) / static_cast<double>(model.num_layers);
     }
-    p.terms.compute = work * share;
+    // Tensor parallel: each rank does 1/T of every matmul (the norms and the rest, replicated, are
+    // small beside them), and holds 1/T of the parameters its data-parallel ranks reduce.
+    const auto tensor = static_cast<double>(p.tensor_parallel);
+    p.terms.compute = work * share / tensor;
     p.terms.bubble = p.terms.compute * (stages - 1) / m;
     p.terms.pipeline_transfers = cost.pipeline_transfer_seconds(model, p.batch, r.base.seq, p.precision,
                                                                 p.pipeline.stages, p.accum);
     // Each stage's data-parallel ranks reduce (and gather) its parameters, about 1/P of them.
-    p.terms.collectives = cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) / stages;
+    p.terms.collectives = cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) / stages / tensor;
+    p.terms.tensor_collectives =
+        cost.tensor_parallel_seconds(model, p.batch, r.base.seq, p.precision, p.tensor_parallel, p.accum);
     p.terms.other = cost.activation_offload_seconds(p.offloaded_activation_bytes, p.accum,
                                                     overlapped ? cost.layers_forward_seconds(model, p.batch, r.base.seq,
                                                                                              p.precision, p.attention)
                                                                : 0.0,
                                                     model.num_layers) +
                     cost.state_lever_seconds(p.trainable_params, p.precision, p.optimizer, p.offload) / stages;
-    p.predicted_step_seconds =
-        p.terms.compute + p.terms.bubble + p.terms.pipeline_transfers + p.terms.collectives + p.terms.other;
+    p.predicted_step_seconds = p.terms.compute + p.terms.bubble + p.terms.pipeline_transfers + p.terms.collectives +
+                               p.terms.tensor_collectives + p.terms.other;
   }
   // Ties (an uncalibrated model sees only FLOPs; float sums differ in the last bits): fewer, larger
   // micro-batches, then the smaller peak.
@@ -300,7 +334,9 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
   }
   cost.set_assumed_flops(r.assumed_flops);
   cost.set_link(r.link_bytes_per_second);
+  cost.set_node_link(r.node_link_bytes_per_second);
   result.calibrated = cost.calibrated();
+  result.node_link_bytes_per_second = r.node_link_bytes_per_second;
   result.assumed_flops = r.assumed_flops;
   result.link_bytes_per_second = r.link_bytes_per_second;
   result.host_link_bytes_per_second = cost.host_link();
@@ -312,7 +348,7 @@ PlanResult plan_with_calibration(const PlanRequest& r, const CostModel::StepTime
 Plan plan_of(const RunConfig& c) {
   Plan p;
   p.step() = c.step();
-  p.world = std::max<int64_t>(1, world_size_of(c) / c.pipeline.stages);
+  p.world = std::max<int64_t>(1, world_size_of(c) / (c.pipeline.stages * c.tensor_parallel));
   return p;
 }
 

@@ -24,8 +24,9 @@ namespace headroom {
 // precision, checkpointing, optimizer, attention, shard level; the sequence length and the optimizer
 // update's kind are the request's), over `world` ranks, with what it is predicted to cost.
 struct Plan : StepSettings {
-  // Data-parallel ranks (of each pipeline stage; StepSettings::pipeline gives the stages, so the
-  // plan's ranks are world x pipeline.stages); batch and accum are per data-parallel rank.
+  // Data-parallel ranks (of each pipeline stage or tensor-parallel share; StepSettings::pipeline and
+  // tensor_parallel give those, so the plan's ranks are world x pipeline.stages x tensor_parallel);
+  // batch and accum are per data-parallel rank.
   int64_t world = 1;
   int64_t predicted_peak_bytes = 0;  // per rank
   int64_t trainable_params = 0;      // what the update touches (the state levers' cost)
@@ -33,11 +34,12 @@ struct Plan : StepSettings {
   double predicted_step_seconds = 0;
   // Its terms, as rank_plans costs them: the micro-batches' compute (spread over the stages), the
   // pipeline's bubble (stages idle while it fills and drains), the activations and gradients sent
-  // between stages, the data-parallel collectives, and the state levers' and offloading's extra.
+  // between stages, the data-parallel collectives, the tensor-parallel sums, and the state levers'
+  // and offloading's extra.
   struct Terms {
-    double compute = 0, bubble = 0, pipeline_transfers = 0, collectives = 0, other = 0;
+    double compute = 0, bubble = 0, pipeline_transfers = 0, collectives = 0, tensor_collectives = 0, other = 0;
   } terms;
-  int64_t ranks() const { return world * pipeline.stages; }
+  int64_t ranks() const { return world * pipeline.stages * tensor_parallel; }
   double predicted_step_time_ratio = 1;  // to the best plan's
   nlohmann::json to_json() const;
   // "micro-batch 2 x accum 16, bf16-mixed, checkpointing every:2, flash attention, adamw"
@@ -56,6 +58,9 @@ struct PlanRequest {
   // between ranks.
   double assumed_flops = 1e12;
   double link_bytes_per_second = CostModel::kLinkBytesPerSecond;
+  // Tensor parallel: the link inside a node its sums cross, and the most ranks it may span (a node's).
+  double node_link_bytes_per_second = CostModel::kNodeLinkBytesPerSecond;
+  int64_t max_tensor_parallel = 8;
   // Threads the candidates' estimates run on. 1 where the caller holds a lock the estimator's
   // LibTorch calls may want on another thread (Python's GIL: the module plans on one).
   int threads = 1;
@@ -75,6 +80,7 @@ struct PlanResult {
   bool calibrated = false;
   double assumed_flops = 1e12;
   double link_bytes_per_second = CostModel::kLinkBytesPerSecond;
+  double node_link_bytes_per_second = CostModel::kNodeLinkBytesPerSecond;
   nlohmann::json to_json() const;  // {"plans": [...], "considered", "calibrated", "host_link": {...}}
 };
 

@@ -160,7 +160,8 @@ TEST(Planner, ShardsTheWeightsOnlyWhenNothingLessFits) {
   ASSERT_FALSE(tight.plans.empty());
   int data_parallel = 0;
   for (const Plan& p : tight.plans) {
-    if (p.pipeline.stages > 1) continue;  // 2 stages of 8 layers each halve the weights too
+    // 2 stages of 8 layers each halve the weights too, and so do 2 tensor-parallel shares.
+    if (p.pipeline.stages > 1 || p.tensor_parallel > 1) continue;
     ++data_parallel;
     EXPECT_EQ(p.shard, ShardLevel::full) << p.describe();
     EXPECT_EQ(p.world, 2);
@@ -208,15 +209,36 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
     EXPECT_EQ(p.batch * p.accum * p.world, 8) << "the global batch over the data-parallel ranks";
     const auto stages = static_cast<double>(p.pipeline.stages), m = static_cast<double>(p.accum);
     EXPECT_DOUBLE_EQ(p.terms.bubble, p.terms.compute * (stages - 1) / m);
-    // 4 layers cut evenly: each stage does 1/P of the layers' work (the head's FLOPs counted with it).
+    // 4 layers cut evenly: each stage does 1/P of the layers' work (the head's FLOPs counted with it),
+    // each of T tensor-parallel ranks 1/T of it.
     const double work = CostModel::flops_only().step_seconds(model, p.batch, 8 / p.world, base.seq, p.precision,
                                                              p.checkpointing, p.attention, p.loss.chunked);
-    EXPECT_DOUBLE_EQ(p.terms.compute, work / stages);
+    EXPECT_DOUBLE_EQ(p.terms.compute, work / stages / static_cast<double>(p.tensor_parallel));
     const double transfer = static_cast<double>(p.batch * base.seq * model.hidden_size * 4) / 5e9 + 50e-6;
     EXPECT_NEAR(p.terms.pipeline_transfers, p.pipeline.stages == 1 ? 0.0 : 2 * (m + stages - 2) * transfer, 1e-12);
     if (p.pipeline.stages > 1) EXPECT_NE(p.shard, ShardLevel::full);
   }
   EXPECT_EQ(layouts, (std::set<int64_t>{1, 2, 4}));
+  // Tensor parallel: Llama-3.2-1B's 32 heads, 8 key/value heads, 8192 inner and 128256 vocabulary
+  // split over 2 and 4; never with a pipeline, never with ZeRO-3. Its sums per micro-batch: 4 per
+  // layer and 2 more, each a ring allreduce of [B, T, hidden] (float32 here), 2(T-1)/T of it over an
+  // assumed 150 GB/s, plus 50 µs each and three more for the loss.
+  std::set<int64_t> widths;
+  for (const Plan& p : all.plans) {
+    SCOPED_TRACE(p.describe());
+    widths.insert(p.tensor_parallel);
+    if (p.tensor_parallel == 1) {
+      EXPECT_EQ(p.terms.tensor_collectives, 0.0);
+      continue;
+    }
+    EXPECT_EQ(p.pipeline.stages, 1);
+    EXPECT_NE(p.shard, ShardLevel::full);
+    const auto t = static_cast<double>(p.tensor_parallel);
+    const double bytes = static_cast<double>(p.batch * base.seq * model.hidden_size) * (p.precision == Precision::fp32 ? 4 : 2);
+    const double sums = (4 * 4 + 2) * (2 * (t - 1) / t * bytes / 1.5e11 + 50e-6) + 3 * 50e-6;
+    EXPECT_NEAR(p.terms.tensor_collectives, static_cast<double>(p.accum) * sums, 1e-12);
+  }
+  EXPECT_EQ(widths, (std::set<int64_t>{1, 2, 4}));
   // A pipeline plan's peak is the largest stage's, every stage replayed.
   for (const Plan& p : all.plans) {
     if (p.pipeline.stages == 1 || p.accum < 2) continue;

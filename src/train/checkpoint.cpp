@@ -52,8 +52,9 @@ std::string checkpoint_file(const std::string& dir, std::optional<CheckpointShar
 }
 
 void write_shard_manifest(const std::string& dir, const ShardManifest& m) {
-  const nlohmann::json j = {
+  nlohmann::json j = {
       {"format", "headroom-sharded-checkpoint-1"}, {"ranks", m.ranks}, {"shard", m.shard}, {"step", m.step}};
+  if (!m.layout.empty()) j["layout"] = m.layout;
   write_file_atomically(manifest_file(dir), dump_json(j) + "\n", "--checkpoint");
 }
 
@@ -65,10 +66,12 @@ std::optional<ShardManifest> read_shard_manifest(const std::string& dir) {
   const auto j = nlohmann::json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object() || j.value("format", "") != "headroom-sharded-checkpoint-1" ||
       !j.contains("ranks") || !j.at("ranks").is_number_integer() || !j.contains("step") ||
-      !j.at("step").is_number_integer() || !j.contains("shard") || !j.at("shard").is_string()) {
+      !j.at("step").is_number_integer() || !j.contains("shard") || !j.at("shard").is_string() ||
+      (j.contains("layout") && !j.at("layout").is_string())) {
     fail("--resume: '{}' is not a readable sharded-checkpoint manifest (corrupt, or from another version)", path);
   }
-  return ShardManifest{j.at("ranks").get<int>(), j.at("shard").get<std::string>(), j.at("step").get<int64_t>()};
+  return ShardManifest{j.at("ranks").get<int>(), j.at("shard").get<std::string>(), j.at("step").get<int64_t>(),
+                       j.value("layout", "")};
 }
 
 void check_checkpoint_dir(const std::string& dir, const std::string& flag) {

@@ -50,6 +50,9 @@ struct ShardManifest {
   int ranks = 0;
   std::string shard;  // the --shard level
   int64_t step = 0;
+  // Split over ranks (Run::layout): the flags of the layout that saved it, which alone can resume it;
+  // "" for data parallel alone.
+  std::string layout;
 };
 void write_shard_manifest(const std::string& dir, const ShardManifest& manifest);
 // nullopt when DIR has none; throws Error when it is unreadable.

@@ -51,13 +51,15 @@ class CheckpointObserver final : public StepObserver {
   void save(Run& run, int64_t step) {
     const CheckpointInfo info{step, run.config.seed, run.config.steps, optimizer_name(run.config.optimizer),
                               run.model_config.source};
-    if (run.replicas && run.replicas->sharded()) {
-      // Each rank its own file; the manifest once all of them are in place.
-      save_checkpoint(dir_, info, run.replicas->checkpoint_weights(), run.optimizer->state(),
-                      CheckpointShard{run.rank(), run.ranks()});
+    const bool sliced = run.replicas && run.replicas->sharded();
+    if (sliced || run.model_parallel()) {
+      // Each rank its own file (its slices, or its stage's or share's parameters); the manifest once
+      // all of them are in place.
+      save_checkpoint(dir_, info, sliced ? run.replicas->checkpoint_weights() : run.parameters(),
+                      run.optimizer->state(), CheckpointShard{run.rank(), run.ranks()});
       run.comm->barrier();
       if (run.rank() == 0) {
-        write_shard_manifest(dir_, {run.ranks(), shard_level_name(run.config.shard), step});
+        write_shard_manifest(dir_, {run.ranks(), shard_level_name(run.config.shard), step, run.layout()});
       }
     } else if (run.rank() == 0) {
       // Every rank holds the same state: rank 0 writes it, resumable by any world size.

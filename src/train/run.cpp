@@ -225,8 +225,8 @@ void check_weights_options(const RunConfig& cfg, const Run& run) {
   }
   if (run.model_parallel()) {
     const char* lever = run.pipeline ? "--pipeline" : "--tensor-parallel";
-    for (const auto& [given, flag] : {std::pair{!cfg.weights.empty(), "--weights"}, {!cfg.save_weights.empty(), "--save-weights"},
-                                      {!cfg.checkpoint.empty(), "--checkpoint"}, {!cfg.resume.empty(), "--resume"}}) {
+    for (const auto& [given, flag] :
+         {std::pair{!cfg.weights.empty(), "--weights"}, {!cfg.save_weights.empty(), "--save-weights"}}) {
       if (given) fail("{} with {}: not supported yet; accepted: {} 1", flag, lever, lever);
     }
   }
@@ -374,6 +374,13 @@ TrackedTensors tracked_tensors(Run* r) {
 }
 
 }  // namespace
+
+std::string Run::layout() const {
+  if (pipeline) {
+    return fmt::format("--pipeline {} --pipeline-split {}", pipeline->stages(), pipeline_split_text(pipeline->ranges()));
+  }
+  return tensor ? fmt::format("--tensor-parallel {}", tensor->ranks()) : "";
+}
 
 MadeRun make_run(const RunConfig& cfg) {
   validate(cfg);

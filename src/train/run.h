@@ -74,6 +74,9 @@ struct Run {
   // The model is split over ranks (pipeline stages, tensor parallel): an out-of-memory on one rank
   // ends it, the others stopping when they lose contact with it.
   bool model_parallel() const { return pipeline || tensor; }
+  // The flags that split the model over the ranks ("--pipeline 2 --pipeline-split 0:12,12:24",
+  // "--tensor-parallel 2"); "" when nothing does.
+  std::string layout() const;
   int rank() const { return comm ? comm->rank() : 0; }
   int ranks() const { return comm ? comm->size() : 1; }
   // The data-parallel ranks, which split the global batch's rows (a pipeline's stages do not).

@@ -177,14 +177,28 @@ CheckpointInfo load_for_resume(Run& run) {
   const std::optional<ShardManifest> manifest = read_shard_manifest(cfg.resume);
   const bool sharded = run.replicas && run.replicas->sharded();
   const char* level = shard_level_name(cfg.shard);
-  if (!sharded) {
+  // Split over ranks, each rank's file holds only its stage's or share's state: the same layout
+  // resumes it, rank by rank.
+  if ((run.model_parallel() || (manifest && !manifest->layout.empty())) &&
+      (!manifest || manifest->ranks != run.ranks() || manifest->shard != level || manifest->layout != run.layout())) {
+    auto layout = [](int ranks, const std::string& flags, const std::string& shard) {
+      return fmt::format("{} rank{} with {}{}--shard {}", ranks, ranks == 1 ? "" : "s", flags, flags.empty() ? "" : " ",
+                         shard);
+    };
+    fail("--resume: '{}' was saved by {}, and this run is {}; a checkpoint split over ranks resumes only in the "
+         "layout that saved it; accepted: that layout",
+         cfg.resume, manifest ? layout(manifest->ranks, manifest->layout, manifest->shard) : "one process",
+         layout(run.ranks(), run.layout(), level));
+  }
+  if (!sharded && !run.model_parallel()) {
     // The whole state in checkpoint.hrc, or a sharded checkpoint put together again.
     if (manifest && !std::filesystem::exists(checkpoint_file(cfg.resume))) return load_resharded(run, manifest);
     return load_checkpoint(cfg.resume, run.parameters(), run.optimizer->state());
   }
   if (!manifest || manifest->ranks != run.ranks() || manifest->shard != level) return load_resharded(run, manifest);
-  const CheckpointInfo info = load_checkpoint(cfg.resume, run.replicas->checkpoint_weights(), run.optimizer->state(),
-                                              CheckpointShard{run.rank(), run.ranks()});
+  const CheckpointInfo info =
+      load_checkpoint(cfg.resume, sharded ? run.replicas->checkpoint_weights() : run.parameters(),
+                      run.optimizer->state(), CheckpointShard{run.rank(), run.ranks()});
   if (info.step != manifest->step) {
     fail("--resume: '{}' is at step {} but its manifest says step {}: a save was cut short; the files do not form "
          "one checkpoint",
