@@ -44,7 +44,8 @@ Plan plan_from_json(const std::string& text) {
   p.shard = parse_shard_level(j.value("shard", std::string("none")));
   p.offload = parse_offload(j.value("offload", std::string("none")));
   p.pipeline.stages = j.value("pipeline", int64_t{1});
-  p.world = j.value("data_parallel", j.value("world_size", int64_t{1}) / p.pipeline.stages);
+  p.tensor_parallel = j.value("tensor_parallel", int64_t{1});
+  p.world = j.value("data_parallel", j.value("world_size", int64_t{1}) / (p.pipeline.stages * p.tensor_parallel));
   return p;
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "optim/optimizer.h"
 #include "util/error.h"
 
 namespace headroom {
@@ -62,31 +63,27 @@ void Pipeline::reduce_tied(const std::vector<NamedTensor>& params) {
   }
 }
 
-std::vector<at::Tensor> Pipeline::counted_gradients(const std::vector<NamedTensor>& params) const {
-  std::vector<at::Tensor> out;
-  for (const NamedTensor& p : params) {
-    if (tied_ && !first() && p.name == kTied) continue;  // the first stage's copy counts
-    if (p.tensor.grad().defined()) out.push_back(p.tensor.grad());
-  }
-  return out;
-}
-
 double Pipeline::clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm,
-                                const std::function<void(at::Tensor&)>& data_sum) {
+                                const std::function<void(at::Tensor&)>& within,
+                                const std::function<double(const std::string&)>& share) {
   const c10::NoGradGuard no_grad;
-  const std::vector<at::Tensor> counted = counted_gradients(params);
-  at::Tensor squares = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
-  if (!counted.empty()) squares = at::stack(at::_foreach_norm(counted, 2)).to(at::kFloat).pow(2).sum().reshape({1});
-  if (data_sum) data_sum(squares);
-  comm_.allreduce(squares);
-  const double norm = std::sqrt(squares.item<double>());
-  if (max_norm > 0 && norm > max_norm) {
-    std::vector<at::Tensor> all;
-    for (const NamedTensor& p : params) {
-      if (p.tensor.grad().defined()) all.push_back(p.tensor.grad());
-    }
-    if (!all.empty()) at::_foreach_mul_(all, max_norm / (norm + 1e-6));
+  std::vector<at::Tensor> all, counted;
+  std::vector<double> shares;
+  for (const NamedTensor& p : params) {
+    if (!p.tensor.grad().defined()) continue;
+    all.push_back(p.tensor.grad());
+    if (tied_ && !first() && p.name == kTied) continue;  // the first stage's copy counts
+    counted.push_back(p.tensor.grad());
+    shares.push_back(share ? share(p.name) : 1.0);
   }
+  const double norm = gradient_norm_across(
+      counted, shares,
+      [&](at::Tensor& squares) {
+        if (within) within(squares);
+        comm_.allreduce(squares);
+      },
+      comm_.device());
+  clip_to_norm(all, norm, max_norm);
   return norm;
 }
 

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "config/model_config.h"
@@ -61,13 +62,13 @@ class Pipeline {
   // whose .grad is the gradient it will use; the first and last stage's ranks of the same
   // data-parallel index hold the same slice.
   void reduce_tied(const std::vector<NamedTensor>& params);
-  // The gradients the global norm counts: the tied copy only on the first stage.
-  std::vector<at::Tensor> counted_gradients(const std::vector<NamedTensor>& params) const;
   // Clips the global gradient norm over every stage to max_norm (<= 0: no clipping); the norm before.
-  // `data_sum`, when given, sums the squares over the stage's data-parallel ranks first (each holds
-  // a slice of the gradients).
+  // The tied copy counts only on the first stage. `within`, when given, sums the squares over the
+  // stage's other ranks first (data-parallel ranks holding slices of the gradients, tensor-parallel
+  // shares); `share`, when given, is what each named parameter counts for (1 / its copies).
   double clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm,
-                        const std::function<void(at::Tensor&)>& data_sum = {});
+                        const std::function<void(at::Tensor&)>& within = {},
+                        const std::function<double(const std::string&)>& share = {});
   double sum(double value);
   bool any(bool flag);
 

@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "optim/optimizer.h"
+
 namespace headroom {
 
 TensorParallelGroup::TensorParallelGroup(Communicator& comm) : comm_(comm) {
@@ -21,19 +23,21 @@ double TensorParallelGroup::clip_grad_norm(const std::vector<NamedTensor>& param
   for (const NamedTensor& p : params) {
     if (!p.tensor.grad().defined()) continue;
     grads.push_back(p.tensor.grad());
-    shares.push_back(1.0 / static_cast<double>(model.tensor_copies(p.name)));
+    shares.push_back(share(model, p.name));
   }
-  at::Tensor squares = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
-  if (!grads.empty()) {
-    const at::Tensor each = at::stack(at::_foreach_norm(grads, 2)).to(at::kFloat).pow(2);
-    const at::Tensor weights = at::tensor(shares, at::TensorOptions().dtype(at::kDouble)).to(each.device(), at::kFloat);
-    squares = (each * weights).sum().reshape({1}).to(comm_.device());
-  }
-  if (data_sum) data_sum(squares);
-  comm_.allreduce(squares);
-  const double norm = std::sqrt(squares.item<double>());
-  if (max_norm > 0 && norm > max_norm && !grads.empty()) at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
+  const double norm = gradient_norm_across(
+      grads, shares,
+      [&](at::Tensor& squares) {
+        if (data_sum) data_sum(squares);
+        comm_.allreduce(squares);
+      },
+      comm_.device());
+  clip_to_norm(grads, norm, max_norm);
   return norm;
+}
+
+double TensorParallelGroup::share(const CausalLM& model, const std::string& name) {
+  return 1.0 / static_cast<double>(model.tensor_copies(name));
 }
 
 bool TensorParallelGroup::any(bool flag) {

@@ -41,6 +41,8 @@ class TensorParallelGroup {
   double clip_grad_norm(const std::vector<NamedTensor>& params, const CausalLM& model, double max_norm,
                         const std::function<void(at::Tensor&)>& data_sum = {});
   bool any(bool flag);
+  // What the norm counts of the named parameter's gradient on each rank: 1 / the ranks holding it.
+  static double share(const CausalLM& model, const std::string& name);
 
  private:
   Communicator& comm_;

@@ -196,8 +196,7 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   if (spec.tensor_parallel > 1) {
     check_tensor_parallel(model, spec.tensor_parallel);
     // What train refuses with --tensor-parallel (train/run.cpp), refused here in its words.
-    const char* refused = spec.pipeline.stages > 1                           ? "--pipeline"
-                          : spec.world > 1 && spec.shard == ShardLevel::full ? "--shard full"
+    const char* refused = spec.world > 1 && spec.shard == ShardLevel::full ? "--shard full"
                           : spec.loss.chunked                                ? "--loss chunked"
                           : spec.optimizer == OptimizerKind::adafactor       ? "--optimizer adafactor"
                           : spec.optimizer == OptimizerKind::adamw8bit       ? "--optimizer adamw8bit"

@@ -91,7 +91,10 @@ void StepReplay::pipeline_schedule() {
   const bool first = stage_.embeddings, last = stage_.head;
   const int batch_lbl = mem_.label("batch", Category::other, "token ids, B·(T+1) int64, and the targets' copy");
   const int loss_lbl = mem_.label("loss buffers", Category::loss,
-                                  "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient");
+                                  stage_.tensor.whole()
+                                      ? "float32 log-softmax kept for backward, B·T·vocab × 4, and its gradient"
+                                      : "float32 softmax of this rank's vocabulary rows kept for backward, "
+                                        "B·T·vocab/T × 4, and its gradient");
   const int received = act("received activations", "--pipeline: the previous stage's output, B·T·hidden, per "
                                                     "micro-batch in flight");
   const int transit = mem_.label("pipeline transfers", Category::communication,

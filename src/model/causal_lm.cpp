@@ -68,8 +68,8 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
     const auto cut = cuts.find(name);
     at::Tensor cpu = initial_value(name, cut != cuts.end() ? at::IntArrayRef(cut->second.whole) : t.sizes(), std_dev,
                                    proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
-    if (cut != cuts.end()) cpu = cut->second.take(cpu);
     if (t.is_meta()) continue;  // another pipeline stage's: drawn only to keep the order
+    if (cut != cuts.end()) cpu = cut->second.take(cpu);
     if (!keep) {
       t.copy_(cpu);
       continue;
@@ -165,12 +165,11 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
     check_tensor_parallel(c, tp.ranks);
     if (finetune_.is_lora()) fail("--finetune {} with --tensor-parallel: not supported yet", finetune_.name());
   }
-  heads_ = tp.heads(c.num_heads).size;
-  kv_heads_ = tp.whole() ? c.num_kv_heads : tp.kv_heads(c).size;
-  inner_ = tp.share(c.intermediate_size).size;
   // Tensor parallel: this rank's query rows, key/value rows, inner columns and vocabulary rows.
   const int64_t hd = c.head_dim;
   const Span heads = tp.heads(c.num_heads), kv = tp.whole() ? Span{0, c.num_kv_heads} : tp.kv_heads(c);
+  heads_ = heads.size;
+  kv_heads_ = kv.size;
   const Span q_rows{heads.begin * hd, heads.size * hd}, kv_rows{kv.begin * hd, kv.size * hd};
   const Span inner = tp.share(inter), vocab = tp.vocab(c.vocab_size);
   if (stage_.end < 0) stage_.end = c.num_layers;  // from here stage_.whole() is false: `end` is set

@@ -195,10 +195,10 @@ class CausalLM {
   std::vector<NamedTensor> params_;
   at::Tensor embed_, pos_embed_, final_norm_w_, final_norm_b_, head_;
   std::vector<Layer> layers_;
-  // Tensor parallel: the cut parameters' shares, and this rank's attention heads, key/value heads and
-  // MLP inner width (the config's without).
+  // Tensor parallel: the cut parameters' shares, and this rank's attention heads and key/value heads
+  // (the config's without).
   std::map<std::string, TensorCut> cuts_;
-  int64_t heads_ = 0, kv_heads_ = 0, inner_ = 0;
+  int64_t heads_ = 0, kv_heads_ = 0;
 };
 
 }  // namespace headroom

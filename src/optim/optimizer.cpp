@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "optim/optimizers.h"
 #include "util/error.h"
 #include "util/tensor_bytes.h"
@@ -38,6 +40,22 @@ std::unique_ptr<Optimizer> make_optimizer(OptimizerKind kind, const std::vector<
 
 void zero_grad(const std::vector<NamedTensor>& params) {
   for (const auto& p : params) p.tensor.mutable_grad().reset();
+}
+
+double gradient_norm_across(const std::vector<at::Tensor>& grads, const std::vector<double>& shares,
+                            const std::function<void(at::Tensor&)>& sum, const c10::Device& device) {
+  at::Tensor squares = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  if (!grads.empty()) {
+    const at::Tensor each = at::stack(at::_foreach_norm(grads, 2)).to(at::kFloat).pow(2);
+    const at::Tensor weights = at::tensor(shares, at::TensorOptions().dtype(at::kDouble)).to(each.device(), at::kFloat);
+    squares = (each * weights).sum().reshape({1}).to(device);
+  }
+  sum(squares);
+  return std::sqrt(squares.item<double>());
+}
+
+void clip_to_norm(const std::vector<at::Tensor>& grads, double norm, double max_norm) {
+  if (max_norm > 0 && norm > max_norm && !grads.empty()) at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
 }
 
 double clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <functional>
@@ -104,5 +105,14 @@ void zero_grad(const std::vector<NamedTensor>& params);
 // Scales gradients so that their global L2 norm is at most `max_norm` (no-op when max_norm <= 0).
 // Returns the norm before clipping.
 double clip_grad_norm(const std::vector<NamedTensor>& params, double max_norm);
+
+// The global L2 norm of gradients spread over ranks: this rank's `grads`, each counted `shares[i]`
+// times (1 / the ranks holding a copy of it), their weighted squares summed over the ranks by `sum`,
+// in float32 on `device`.
+double gradient_norm_across(const std::vector<at::Tensor>& grads, const std::vector<double>& shares,
+                            const std::function<void(at::Tensor&)>& sum, const c10::Device& device);
+// Scales `grads` so that a global norm of `norm` becomes `max_norm` (no-op when it is already at
+// most that, or max_norm <= 0), as clip_grad_norm does.
+void clip_to_norm(const std::vector<at::Tensor>& grads, double norm, double max_norm);
 
 }  // namespace headroom

@@ -154,10 +154,10 @@ PlanResult fitting_plans(const PlanRequest& r) {
   // data-parallel ranks each; P > 1 where train runs a pipeline (every parameter trained, nothing
   // offloaded), and its rows are split over the data-parallel ranks only.
   // Within each, T tensor-parallel ranks (a divisor of what is left, up to a node's, that the model's
-  // heads, inner dimension and vocabulary split over), not with a pipeline (train refuses both).
+  // heads, inner dimension and vocabulary split over).
   for (int64_t stages : layout_stages(world, model.num_layers)) {
   if (stages > 1 && (!r.base.finetune.full() || r.base.offload != Offload::none)) continue;
-  for (int64_t tensor : tensor_parallel_widths(model, world / stages, stages > 1 ? 1 : r.max_tensor_parallel)) {
+  for (int64_t tensor : tensor_parallel_widths(model, world / stages, r.max_tensor_parallel)) {
   if (tensor > 1 && (!r.base.finetune.full() || r.base.offload != Offload::none)) continue;
   const int64_t data_ranks = world / stages / tensor;
   if (r.global_batch % data_ranks != 0) continue;
@@ -264,8 +264,9 @@ void rank_plans(PlanResult& plans, const PlanRequest& r, const CostModel& cost) 
                                                                 p.pipeline.stages, p.accum);
     // Each stage's data-parallel ranks reduce (and gather) its parameters, about 1/P of them.
     p.terms.collectives = cost.communication_seconds(model, p.precision, p.world, p.shard, p.accum) / stages / tensor;
+    // The tensor-parallel sums of the layers a rank holds: paced, as compute is, by the largest stage.
     p.terms.tensor_collectives =
-        cost.tensor_parallel_seconds(model, p.batch, r.base.seq, p.precision, p.tensor_parallel, p.accum);
+        cost.tensor_parallel_seconds(model, p.batch, r.base.seq, p.precision, p.tensor_parallel, p.accum) * share;
     p.terms.other = cost.activation_offload_seconds(p.offloaded_activation_bytes, p.accum,
                                                     overlapped ? cost.layers_forward_seconds(model, p.batch, r.base.seq,
                                                                                              p.precision, p.attention)

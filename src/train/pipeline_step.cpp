@@ -78,7 +78,9 @@ void stage_backward(Run& run, InFlight& f) {
 
 void run_pipeline_step(Run& run, const StepShape& shape, StepOutcome& out) {
   Pipeline& pipe = *run.pipeline;
-  seed_step(run.config.seed, shape.step, run.rank());  // each stage and data-parallel rank its own masks
+  // Each stage and data-parallel rank its own masks; a stage's tensor-parallel shares (neighbours) the
+  // same, as their replicated activations need.
+  seed_step(run.config.seed, shape.step, run.rank() / (run.tensor ? run.tensor->ranks() : 1));
   out = StepOutcome{};
   double loss_sum = 0;
   std::deque<InFlight> in_flight;

@@ -137,62 +137,30 @@ void load_model_config_and_data(Run& run, const RunConfig& cfg) {
   run.data.emplace(TextDataset::load(cfg.data, 0.1, cfg.seq));
 }
 
-// --pipeline P: this rank's stage, and with D = ranks / P data-parallel ranks per stage, its two
-// groups: the pipeline of its data-parallel index (ranks d, D + d, ...) and the ranks of its stage
-// (s·D .. s·D + D - 1), neighbours on a node as data parallel's larger transfers want them.
-void place_pipeline(Run& run, const RunConfig& cfg) {
-  const int p = static_cast<int>(cfg.pipeline.stages);
-  if (!run.comm || run.ranks() % p != 0) {
-    fail("--pipeline {} needs a multiple of {} ranks (stages x data-parallel ranks), and this process is one of {}; "
-         "accepted: torchrun --nproc-per-node {} (or a multiple)",
-         p, p, run.ranks(), p);
+// --pipeline P and --tensor-parallel T: what the layout cannot do, refused before any group is made.
+void check_layout(const Run& run, const RunConfig& cfg) {
+  const int p = static_cast<int>(cfg.pipeline.stages), t = static_cast<int>(cfg.tensor_parallel);
+  const std::string lever = p > 1 && t > 1 ? fmt::format("--pipeline {} x --tensor-parallel {}", p, t)
+                            : p > 1       ? fmt::format("--pipeline {}", p)
+                                          : fmt::format("--tensor-parallel {}", t);
+  if (!run.comm || run.ranks() % (p * t) != 0) {
+    fail("{} needs a multiple of {} ranks ({}data-parallel ranks), and this process is one of {}; accepted: torchrun "
+         "--nproc-per-node {} (or a multiple)",
+         lever, p * t, p > 1 && t > 1 ? "stages x tensor-parallel ranks x " : p > 1 ? "stages x " : "tensor-parallel ranks x ",
+         run.ranks(), p * t);
   }
-  const int d = run.ranks() / p, stage = run.rank() / d, index = run.rank() % d;
-  if (d == 1 && cfg.shard != ShardLevel::none) {
-    fail("--shard {} with --pipeline {} on {} ranks: the shard levels split state over the data-parallel ranks of "
-         "a stage, and there is one; accepted: --shard none, or more ranks",
-         shard_level_name(cfg.shard), p, run.ranks());
+  if (run.ranks() == p * t && cfg.shard != ShardLevel::none) {
+    fail("--shard {} with {} on {} ranks: the shard levels split state over the data-parallel ranks of a {}, and "
+         "there is one; accepted: --shard none, or more ranks",
+         shard_level_name(cfg.shard), lever, run.ranks(), p > 1 ? "stage" : "share");
   }
   if (cfg.shard == ShardLevel::full) {
-    fail("--shard full with --pipeline: not supported yet (several micro-batches in flight would each gather the "
-         "stage's layers); accepted: --shard optimizer or gradients");
+    fail("--shard full with {}: not supported yet{}; accepted: --shard optimizer or gradients",
+         p > 1 ? "--pipeline" : "--tensor-parallel",
+         p > 1 ? " (several micro-batches in flight would each gather the stage's layers)" : "");
   }
-  Communicator* stages = run.comm.get();
-  if (d > 1) {
-    std::vector<int> pipeline_ranks, stage_ranks;
-    for (int s = 0; s < p; ++s) pipeline_ranks.push_back(s * d + index);
-    for (int k = 0; k < d; ++k) stage_ranks.push_back(stage * d + k);
-    run.pipeline_comm = std::make_unique<Communicator>(*run.comm, pipeline_ranks, fmt::format("pipeline_{}", index));
-    run.data_comm = std::make_unique<Communicator>(*run.comm, stage_ranks, fmt::format("stage_{}", stage));
-    stages = run.pipeline_comm.get();
-  }
-  run.pipeline = std::make_unique<Pipeline>(*stages, pipeline_stages(run.model_config, cfg.pipeline),
-                                            run.model_config.tie_word_embeddings);
-}
-
-// --tensor-parallel T: this rank's share, and with D = ranks / T data-parallel ranks, its two groups:
-// the T neighbours that split the layers with it (d·T .. d·T + T - 1, inside a node as their
-// per-block sums want them) and the ranks of its share (t, T + t, ...).
-void place_tensor_parallel(Run& run, const RunConfig& cfg) {
-  const int t = static_cast<int>(cfg.tensor_parallel);
-  if (!run.comm || run.ranks() % t != 0) {
-    fail("--tensor-parallel {} needs a multiple of {} ranks (data-parallel ranks x tensor-parallel ranks), and this "
-         "process is one of {}; accepted: torchrun --nproc-per-node {} (or a multiple)",
-         t, t, run.ranks(), t);
-  }
-  if (cfg.pipeline.stages > 1) {
-    fail("--tensor-parallel with --pipeline: not supported yet; accepted: one of them");
-  }
+  if (t == 1) return;
   check_tensor_parallel(run.model_config, t);
-  const int d = run.ranks() / t, share = run.rank() % t, index = run.rank() / t;
-  if (d == 1 && cfg.shard != ShardLevel::none) {
-    fail("--shard {} with --tensor-parallel {} on {} ranks: the shard levels split state over the data-parallel ranks "
-         "of a share, and there is one; accepted: --shard none, or more ranks",
-         shard_level_name(cfg.shard), t, run.ranks());
-  }
-  if (cfg.shard == ShardLevel::full) {
-    fail("--shard full with --tensor-parallel: not supported yet; accepted: --shard optimizer or gradients");
-  }
   if (cfg.loss.chunked) {
     fail("--loss chunked with --tensor-parallel: not supported yet (the split vocabulary already keeps a rank's "
          "logits to 1/{} of them); accepted: --loss full",
@@ -203,16 +171,43 @@ void place_tensor_parallel(Run& run, const RunConfig& cfg) {
          "that the shares cut); accepted: sgd, momentum, adam, adamw, adagrad",
          optimizer_name(cfg.optimizer));
   }
-  std::vector<int> tensor_ranks, share_ranks;
-  for (int k = 0; k < t; ++k) tensor_ranks.push_back(index * t + k);
-  run.tensor_comm = std::make_unique<Communicator>(*run.comm, tensor_ranks, fmt::format("tensor_{}", index));
-  if (d > 1) {
-    for (int k = 0; k < d; ++k) share_ranks.push_back(k * t + share);
-    run.data_comm = std::make_unique<Communicator>(*run.comm, share_ranks, fmt::format("share_{}", share));
+}
+
+// The ranks as P stages x D data-parallel ranks x T tensor-parallel shares, the shares innermost:
+// rank r holds share r % T of stage r / (D·T), as data-parallel rank (r / T) % D. A share's T ranks
+// are neighbours, inside a node, as their per-block sums want them; then a stage's data-parallel
+// ranks, whose transfers are the next largest. Its groups: the T ranks of its stage and data index
+// (tensor parallel), the D ranks of its stage and share (data parallel), the P ranks of its data
+// index and share (the pipeline).
+void place_ranks(Run& run, const RunConfig& cfg) {
+  check_layout(run, cfg);
+  const int p = static_cast<int>(cfg.pipeline.stages), t = static_cast<int>(cfg.tensor_parallel);
+  const int d = run.ranks() / (p * t), r = run.rank();
+  const int share = r % t, index = (r / t) % d, stage = r / (t * d);
+  auto rank_of = [t, d](int s, int k, int u) { return (s * d + k) * t + u; };
+  auto group = [&run](const std::vector<int>& ranks, const std::string& name) {
+    return std::make_unique<Communicator>(*run.comm, ranks, name);
+  };
+  std::vector<int> tensor_ranks, data_ranks, pipeline_ranks;
+  for (int u = 0; u < t; ++u) tensor_ranks.push_back(rank_of(stage, index, u));
+  for (int k = 0; k < d; ++k) data_ranks.push_back(rank_of(stage, k, share));
+  for (int s = 0; s < p; ++s) pipeline_ranks.push_back(rank_of(s, index, share));
+  if (t > 1) {
+    run.tensor_comm = group(tensor_ranks, fmt::format("tensor_{}_{}", stage, index));
+    run.tensor = std::make_unique<TensorParallelGroup>(*run.tensor_comm);
+    if (const std::string note = kv_replication_note(run.model_config, t); !note.empty() && !cfg.quiet && r == 0) {
+      fmt::print(stderr, "headroom train: --tensor-parallel {}: {}\n", t, note);
+    }
   }
-  run.tensor = std::make_unique<TensorParallelGroup>(*run.tensor_comm);
-  if (const std::string note = kv_replication_note(run.model_config, t); !note.empty() && !cfg.quiet && run.rank() == 0) {
-    fmt::print(stderr, "headroom train: --tensor-parallel {}: {}\n", t, note);
+  if (d > 1) run.data_comm = group(data_ranks, fmt::format("data_{}_{}", stage, share));
+  if (p > 1) {
+    Communicator* stages = run.comm.get();
+    if (d * t > 1) {
+      run.pipeline_comm = group(pipeline_ranks, fmt::format("pipeline_{}_{}", index, share));
+      stages = run.pipeline_comm.get();
+    }
+    run.pipeline = std::make_unique<Pipeline>(*stages, pipeline_stages(run.model_config, cfg.pipeline),
+                                              run.model_config.tie_word_embeddings);
   }
 }
 
@@ -376,10 +371,12 @@ TrackedTensors tracked_tensors(Run* r) {
 }  // namespace
 
 std::string Run::layout() const {
+  std::string out;
   if (pipeline) {
-    return fmt::format("--pipeline {} --pipeline-split {}", pipeline->stages(), pipeline_split_text(pipeline->ranges()));
+    out = fmt::format("--pipeline {} --pipeline-split {}", pipeline->stages(), pipeline_split_text(pipeline->ranges()));
   }
-  return tensor ? fmt::format("--tensor-parallel {}", tensor->ranks()) : "";
+  if (tensor) out += fmt::format("{}--tensor-parallel {}", out.empty() ? "" : " ", tensor->ranks());
+  return out;
 }
 
 MadeRun make_run(const RunConfig& cfg) {
@@ -394,8 +391,7 @@ MadeRun make_run(const RunConfig& cfg) {
     run->comm = std::make_unique<Communicator>(*placement.world, device, std::chrono::seconds(cfg.dist_timeout));
   }
   load_model_config_and_data(*run, cfg);
-  if (cfg.tensor_parallel > 1) place_tensor_parallel(*run, cfg);
-  if (cfg.pipeline.stages > 1) place_pipeline(*run, cfg);
+  if (cfg.pipeline.stages > 1 || cfg.tensor_parallel > 1) place_ranks(*run, cfg);
   check_weights_options(cfg, *run);
 
   const c10::ScalarType dtype = parameter_dtype(cfg.precision);

@@ -82,7 +82,18 @@ void update(Run& run, double lr, StepOutcome& out) {
     std::function<void(at::Tensor&)> data_sum;
     if (replicas && replicas->sharded()) data_sum = [replicas](at::Tensor& t) { replicas->comm().allreduce(t); };
     if (pipe) {
-      out.grad_norm = pipe->clip_grad_norm(updated, run.config.grad_clip, data_sum);
+      // Stages split over tensor-parallel shares: the squares summed over the shares too, each
+      // parameter counted once.
+      std::function<void(at::Tensor&)> within = data_sum;
+      std::function<double(const std::string&)> share;
+      if (tensor) {
+        within = [data_sum, tensor](at::Tensor& t) {
+          if (data_sum) data_sum(t);
+          tensor->comm().allreduce(t);
+        };
+        share = [model = run.model.get()](const std::string& name) { return TensorParallelGroup::share(*model, name); };
+      }
+      out.grad_norm = pipe->clip_grad_norm(updated, run.config.grad_clip, within, share);
     } else if (tensor) {
       out.grad_norm = tensor->clip_grad_norm(updated, *run.model, run.config.grad_clip, data_sum);
     } else {

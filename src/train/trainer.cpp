@@ -244,11 +244,13 @@ void announce(const Run& run, int64_t start) {
   const std::string where =
       run.device.is_cuda() ? run.device.str() : fmt::format("cpu ({} threads)", at::get_num_threads());
   const std::string ranks =
-      run.pipeline ? fmt::format(" x {} pipeline stages{} (this rank: layers {}..{})", run.pipeline->stages(),
+      run.pipeline ? fmt::format(" x {} pipeline stages{}{} (this rank: layers {}..{}{})", run.pipeline->stages(),
+                                 run.tensor ? fmt::format(" x {} tensor-parallel ranks", run.tensor->ranks()) : "",
                                  run.replicas ? fmt::format(" x {} ranks each (--shard {})", run.data_ranks(),
                                                             shard_level_name(c.shard))
                                               : "",
-                                 run.pipeline->layers().first, run.pipeline->layers().end - 1)
+                                 run.pipeline->layers().first, run.pipeline->layers().end - 1,
+                                 run.tensor ? fmt::format(", share {}", run.tensor->rank()) : "")
       : run.tensor ? fmt::format(" x {} tensor-parallel ranks{} (this rank: share {})", run.tensor->ranks(),
                                  run.replicas ? fmt::format(" x {} data-parallel (--shard {})", run.data_ranks(),
                                                             shard_level_name(c.shard))
