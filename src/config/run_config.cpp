@@ -270,7 +270,8 @@ const std::vector<RunField>& run_fields() {
       {"pipeline", Kind::integer,
        "under torchrun: cut the layers into P pipeline stages trained with a 1F1B schedule (--accum micro-batches "
        "a step; the embeddings on the first stage, the head and loss on the last); the ranks are P x D, each stage "
-       "trained by D data-parallel ranks (--shard none, optimizer or gradients among them); 1: no pipeline",
+       "trained by D data-parallel ranks (--shard none, optimizer or gradients among them), or P x D x T with "
+       "--tensor-parallel T; 1: no pipeline",
        [](RunConfig& c, const std::string& s) { c.pipeline.stages = parse_int("pipeline", s); },
        [](const RunConfig& c) { return Texts{std::to_string(c.pipeline.stages)}; }},
       {"pipeline-split", Kind::text,
@@ -280,13 +281,13 @@ const std::vector<RunField>& run_fields() {
        [](const RunConfig& c) { return Texts{pipeline_split_text(c.pipeline.split)}; }},
       integer("tensor-parallel",
               "under torchrun: split each layer's attention heads and MLP inner dimension, and the vocabulary (the "
-              "embedding, the head and the loss), over T ranks, neighbours on a node; the ranks are D x T, D "
-              "data-parallel ranks of T (--shard none, optimizer or gradients among them); key/value heads fewer "
-              "than T are replicated; 1: none",
+              "embedding, the head and the loss), over T ranks, neighbours on a node; the ranks are D x T (P x D x "
+              "T with --pipeline P), D data-parallel ranks of T (--shard none, optimizer or gradients among them); "
+              "key/value heads fewer than T are replicated; 1: none",
               &RunConfig::tensor_parallel),
       integer("world-size",
               "ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, else 1): pipeline "
-              "stages x data-parallel ranks; under torchrun it must equal the ranks launched",
+              "stages x tensor-parallel ranks x data-parallel ranks; under torchrun it must equal the ranks launched",
               &RunConfig::world_size),
       integer("dist-timeout",
               "under torchrun: seconds a rank waits for the others (rendezvous, each collective) before it stops "

@@ -109,6 +109,7 @@ struct EnterParallel : public torch::autograd::Function<EnterParallel> {
     return x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
     return {summed_copy(slice_at(ctx), grads[0]), at::Tensor()};
   }
 };
@@ -134,6 +135,7 @@ struct ReplicatedRows : public torch::autograd::Function<ReplicatedRows> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const int64_t begin = ctx->saved_data["begin"].toInt();
     std::vector<int64_t> sizes = g.sizes().vec();
     sizes[0] = ctx->saved_data["full_rows"].toInt();
