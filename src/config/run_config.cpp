@@ -270,7 +270,7 @@ const std::vector<RunField>& run_fields() {
       {"pipeline", Kind::integer,
        "under torchrun: cut the layers into P pipeline stages trained with a 1F1B schedule (--accum micro-batches "
        "a step; the embeddings on the first stage, the head and loss on the last); the ranks are P x D, each stage "
-       "trained by D data-parallel ranks (--shard none, optimizer or gradients among them), or P x D x T with "
+       "trained by D data-parallel ranks (any --shard level among them), or P x D x T with "
        "--tensor-parallel T; 1: no pipeline",
        [](RunConfig& c, const std::string& s) { c.pipeline.stages = parse_int("pipeline", s); },
        [](const RunConfig& c) { return Texts{std::to_string(c.pipeline.stages)}; }},
@@ -282,7 +282,7 @@ const std::vector<RunField>& run_fields() {
       integer("tensor-parallel",
               "under torchrun: split each layer's attention heads and MLP inner dimension, and the vocabulary (the "
               "embedding, the head and the loss), over T ranks, neighbours on a node; the ranks are D x T (P x D x "
-              "T with --pipeline P), D data-parallel ranks of T (--shard none, optimizer or gradients among them); "
+              "T with --pipeline P), D data-parallel ranks of T (any --shard level among them); "
               "key/value heads fewer than T are replicated; 1: none",
               &RunConfig::tensor_parallel),
       integer("world-size",

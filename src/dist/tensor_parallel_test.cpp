@@ -9,8 +9,10 @@
 #include <gtest/gtest.h>
 
 #include <barrier>
+#include <cmath>
 #include <map>
 #include <thread>
+#include <utility>
 
 #include "config/model_config.h"
 #include "dist/data_parallel_testing.h"
@@ -175,7 +177,8 @@ TEST(TensorParallelModel, ModelsThatDoNotSplitAreRefused) {
 }
 
 // Qwen3's widths and vocabulary (2 layers) on 2 tensor-parallel ranks and on 2 x 2 (data parallel
-// over the shares, the optimizer state sharded), against one process on the same global batch, Adam
+// over the shares, the optimizer state sharded; or the weights too, each share's slices gathered a
+// layer at a time), against one process on the same global batch, Adam
 // with clipping: the final and held-out losses within 1e-4; each rank's peak in every step below the
 // one process's and within 0.1% of its estimated step peak (estimate --world-size N --tensor-parallel 2).
 TEST(TensorParallel, RanksTrainAsOneProcess) {
@@ -189,7 +192,8 @@ TEST(TensorParallel, RanksTrainAsOneProcess) {
     std::string flags;
   };
   for (const Layout& l : {Layout{2, "--tensor-parallel 2 --batch 2"},
-                          Layout{4, "--tensor-parallel 2 --shard optimizer --batch 1"}}) {
+                          Layout{4, "--tensor-parallel 2 --shard optimizer --batch 1"},
+                          Layout{4, "--tensor-parallel 2 --shard full --batch 1"}}) {
     SCOPED_TRACE(l.flags);
     TempDir dir;
     const auto ranks = launch(l.ranks, HEADROOM_BINARY,
@@ -258,10 +262,11 @@ TEST(TensorParallel, TwoStagesOfTwoSharesMatchOneProcess) {
   }
 }
 
-// A run split over 2 ranks (2 tensor-parallel shares; 2 pipeline stages) or 4 (both) stopped at step 2 with
-// --checkpoint and resumed to step 4 ends where the same run without a stop does, bit for bit (each
-// rank's file holds its share's or stage's weights and optimizer state); resuming it in another
-// layout, or in one process, is refused in one line.
+// A run split over 2 ranks (2 tensor-parallel shares; 2 pipeline stages) or 4 (both; or either with
+// 2 data-parallel ranks at --shard full) stopped at step 2 with --checkpoint and resumed to step 4
+// ends where the same run without a stop does, bit for bit (each rank's file holds its share's or
+// stage's weights and optimizer state, or its slices of them); resuming it in another layout, or in
+// one process, is refused in one line.
 TEST(TensorParallel, ACheckpointResumesInTheLayoutThatSavedIt) {
   const std::string common = fmt::format(
       "train --device cpu --model tiny --seq 32 --batch 2 --accum 2 --eval-rows 0 --quiet --json --steps 4");
@@ -271,11 +276,14 @@ TEST(TensorParallel, ACheckpointResumesInTheLayoutThatSavedIt) {
   };
   struct Layout {
     int ranks;
-    std::string flags, saved;
+    std::string flags, saved, shard = "none";
   };
-  for (const Layout& l : {Layout{2, "--tensor-parallel 2", "--tensor-parallel 2"},
-                          Layout{2, "--pipeline 2", "--pipeline 2 --pipeline-split 0:2,2:4"},
-                          Layout{4, "--pipeline 2 --tensor-parallel 2", "--pipeline 2 --pipeline-split 0:2,2:4 --tensor-parallel 2"}}) {
+  for (const Layout& l :
+       {Layout{2, "--tensor-parallel 2", "--tensor-parallel 2"},
+        Layout{2, "--pipeline 2", "--pipeline 2 --pipeline-split 0:2,2:4"},
+        Layout{4, "--pipeline 2 --tensor-parallel 2", "--pipeline 2 --pipeline-split 0:2,2:4 --tensor-parallel 2"},
+        Layout{4, "--pipeline 2 --shard full", "--pipeline 2 --pipeline-split 0:2,2:4", "full"},
+        Layout{4, "--tensor-parallel 2 --shard full", "--tensor-parallel 2", "full"}}) {
     SCOPED_TRACE(l.flags);
     TempDir dir;
     const double straight = final_loss(launch(l.ranks, HEADROOM_BINARY, common + " " + l.flags + " 2>/dev/null"));
@@ -291,7 +299,47 @@ TEST(TensorParallel, ACheckpointResumesInTheLayoutThatSavedIt) {
     EXPECT_THAT(other.out, ::testing::HasSubstr("resumes only in the layout that saved it"));
     const auto alone = run_command(fmt::format("{} {} --resume {} 2>&1", HEADROOM_BINARY, common, dir.file("ck")));
     EXPECT_EQ(alone.code, kExitUsage);
-    EXPECT_THAT(alone.out, ::testing::HasSubstr(fmt::format("was saved by {} ranks with {} --shard none", l.ranks, l.saved)));
+    EXPECT_THAT(alone.out,
+                ::testing::HasSubstr(fmt::format("was saved by {} ranks with {} --shard {}", l.ranks, l.saved, l.shard)));
+  }
+}
+
+// A Hugging Face checkpoint of the whole model (GPT-2's widths and vocabulary, written by one
+// process after a step at a high learning rate, so it is not the seed's initialisation) loaded with
+// --weights into 2 stages x 2 shares, tied, and into 2 shares, untied: each rank reads its stage's
+// tensors and cuts its share (fused q/k/v, the vocabulary split unevenly). Two steps from it end where
+// one process loading it does (final and held-out losses within 1e-4), and away from a run that does
+// not load it.
+TEST(TensorParallel, AWholeCheckpointLoadsIntoStagesAndShares) {
+  const std::string gpt2 =
+      "train --device cpu --model gpt2 --set n_layer=2 --set embd_pdrop=0 --set attn_pdrop=0 --set resid_pdrop=0 "
+      "--seq 32 --quiet";
+  auto losses = [](const testing::CommandResult& r) {
+    EXPECT_EQ(r.code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind("\n{") + 1));
+    return std::pair{j.at("final_loss").get<double>(), j.at("eval_loss").get<double>()};
+  };
+  struct Case {
+    int ranks;
+    std::string model, layout;
+  };
+  for (const Case& c : {Case{4, "", "--pipeline 2 --tensor-parallel 2"},
+                        Case{2, "--set tie_word_embeddings=false", "--tensor-parallel 2"}}) {
+    SCOPED_TRACE(c.layout + " " + c.model);
+    TempDir dir;
+    const auto saved = run_command(fmt::format("{} {} {} --batch 2 --steps 1 --lr 0.05 --eval-rows 0 --save-weights {}",
+                                               HEADROOM_BINARY, gpt2, c.model, dir.file("hf")));
+    ASSERT_EQ(saved.code, 0) << saved.out;
+    const std::string train =
+        fmt::format("{} {} --batch 2 --accum 4 --steps 2 --lr 0.001 --eval-rows 4 --json", gpt2, c.model);
+    const auto alone = losses(
+        run_command(fmt::format("env OMP_NUM_THREADS=1 {} {} --weights {}", HEADROOM_BINARY, train, dir.file("hf"))));
+    const auto split = losses(launch(c.ranks, HEADROOM_BINARY,
+                                     fmt::format("{} {} --weights {} 2>/dev/null", train, c.layout, dir.file("hf"))));
+    EXPECT_NEAR(split.first, alone.first, 1e-4);
+    EXPECT_NEAR(split.second, alone.second, 1e-4);
+    const auto drawn = losses(run_command(fmt::format("env OMP_NUM_THREADS=1 {} {}", HEADROOM_BINARY, train)));
+    EXPECT_GT(std::abs(drawn.second - alone.second), 1e-2) << "the checkpoint changed nothing";
   }
 }
 

@@ -196,20 +196,15 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   if (spec.tensor_parallel > 1) {
     check_tensor_parallel(model, spec.tensor_parallel);
     // What train refuses with --tensor-parallel (train/run.cpp), refused here in its words.
-    const char* refused = spec.world > 1 && spec.shard == ShardLevel::full ? "--shard full"
-                          : spec.loss.chunked                                ? "--loss chunked"
-                          : spec.optimizer == OptimizerKind::adafactor       ? "--optimizer adafactor"
-                          : spec.optimizer == OptimizerKind::adamw8bit       ? "--optimizer adamw8bit"
-                          : !spec.finetune.full()                            ? "--finetune other than full"
-                          : spec.offload != Offload::none                    ? "--offload"
-                                                                             : nullptr;
+    const char* refused = spec.loss.chunked                          ? "--loss chunked"
+                          : spec.optimizer == OptimizerKind::adafactor ? "--optimizer adafactor"
+                          : spec.optimizer == OptimizerKind::adamw8bit ? "--optimizer adamw8bit"
+                          : !spec.finetune.full()                      ? "--finetune other than full"
+                          : spec.offload != Offload::none              ? "--offload"
+                                                                       : nullptr;
     if (refused) fail("{} with --tensor-parallel: not supported yet (train refuses it)", refused);
   }
   if (spec.pipeline.stages > 1) {
-    if (spec.world > 1 && spec.shard == ShardLevel::full) {
-      fail("--shard full with --pipeline: not supported yet (train refuses it); accepted: --shard optimizer or "
-           "gradients");
-    }
     if (spec.offload != Offload::none || !spec.finetune.full() || spec.base_weights != BaseWeights::dense) {
       fail("--pipeline with --offload, --finetune or --base-weights: not supported yet (train refuses them under "
            "torchrun); accepted: --pipeline 1");

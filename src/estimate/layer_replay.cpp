@@ -419,6 +419,7 @@ Tensor LayerReplay::trunk(int64_t rows, const Tensor* input) {
     }
   }
   if (!stage_.head) return x;
+  if (gate_ && !stage_.embeddings) gate_->gather(0);  // a pipeline's last stage: its final norm and head
   return norm(x, p("final_norm.weight"), maybe("final_norm.bias"));
 }
 

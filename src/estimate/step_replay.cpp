@@ -146,10 +146,11 @@ void StepReplay::pipeline_schedule() {
       g_->backward(f.output, grad);
       dp_.after_backward();
       f.output = Tensor{};
-      if (!first) {
-        send(std::move(f.input.slot->grad));
-        f.input = Tensor{};
-      }
+    }
+    // The input's gradient to the previous stage, alive until the next send.
+    if (!first) {
+      send(std::move(f.input.slot->grad));
+      f.input = Tensor{};
     }
   }
   sent.reset();

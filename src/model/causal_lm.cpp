@@ -384,6 +384,11 @@ int64_t CausalLM::tensor_copies(const std::string& name) const {
   return kv && tp.kv_replicated(config_) ? tp.ranks / config_.num_kv_heads : 1;
 }
 
+at::Tensor CausalLM::share_of(const std::string& name, const at::Tensor& whole) const {
+  const auto cut = cuts_.find(name);
+  return cut == cuts_.end() ? whole : cut->second.take(whole);
+}
+
 int64_t CausalLM::counted_elements(const NamedTensor& p) const {
   if (!is_nf4_part(p.name)) return p.tensor.numel();
   const std::string w = nf4_weight_of_codes(p.name);
@@ -575,8 +580,10 @@ at::Tensor CausalLM::head(const at::Tensor& hidden) const {
 }
 
 at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
-  TORCH_CHECK(o.gate == nullptr, "hidden_states: not with a parameter gate");
+  TORCH_CHECK(o.gate == nullptr || !stage_.head, "hidden_states: not with a parameter gate on a model with its head");
   Trunk trunk = run_trunk(input_ids, o, router);
+  // A first pipeline stage is done with its embeddings (kept for backward while it records).
+  if (o.gate && stage_.embeddings) o.gate->forward_done(0);
   report_router(trunk, router);
   return trunk.hidden;
 }
@@ -653,6 +660,8 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input, const ForwardOption
     }
   }
   if (!stage_.head) return {x, stats};
+  // A pipeline's last stage: the final norm and the head are its unit 0.
+  if (gate && !stage_.embeddings) gate->gather(0);
   return {norm(x, final_norm_w_, final_norm_b_), stats};
 }
 

@@ -78,16 +78,18 @@ class CausalLM {
            const Finetune& finetune = {}, bool initialise_base = true, BaseWeights base_weights = BaseWeights::dense,
            const ModelStage& stage = {});
 
-  // input_ids: [B, T] int64 with T <= max positions. Returns logits [B, T, vocab] in the parameters'
-  // dtype (tensor parallel: [B, T, this rank's vocabulary rows]). `router`: a mixture of experts reports there the skew of its routing and, when its
-  // config asks for it (output_router_logits) and gradients are recorded, its load-balancing loss
-  // times router_aux_loss_coef (left undefined otherwise), which the caller adds to the loss.
+  // input_ids: [B, T] int64 with T <= max positions (a pipeline's last stage: the previous stage's
+  // output [B, T, hidden]). Returns logits [B, T, vocab] in the parameters' dtype (tensor parallel:
+  // [B, T, this rank's vocabulary rows]). `router`: a mixture of experts reports there the skew of
+  // its routing and, when its config asks for it (output_router_logits) and gradients are recorded,
+  // its load-balancing loss times router_aux_loss_coef (left undefined otherwise), which the caller
+  // adds to the loss.
   at::Tensor forward(const at::Tensor& input_ids, const ForwardOptions& options, RouterOutput* router = nullptr) const;
   // The same forward without the head: the final norm's output [B, T, hidden], for a loss that
-  // applies head_weight() itself (model/chunked_loss.h). Not with a ParameterGate (the head's unit
-  // would stay gathered). A pipeline stage's forward: `input_ids` is the previous stage's output
-  // [B, T, hidden] when the stage has no embeddings, and the result is its last layer's output when
-  // it has no head.
+  // applies head_weight() itself (model/chunked_loss.h). Not with a ParameterGate when the model has
+  // its head (the head's unit would stay gathered: forward() is that stage's). A pipeline stage's
+  // forward: `input_ids` is the previous stage's output [B, T, hidden] when the stage has no
+  // embeddings, and the result is its last layer's output when it has no head.
   at::Tensor hidden_states(const at::Tensor& input_ids, const ForwardOptions& options,
                            RouterOutput* router = nullptr) const;
   // The LM head's weight [vocab, hidden] (the embedding's, when tied); tensor parallel: this rank's
@@ -101,6 +103,9 @@ class CausalLM {
   // ranks for a replicated one (a norm, a bias added after the sum), ranks / kv for a replicated
   // key/value head's projection; 1 without tensor parallel.
   int64_t tensor_copies(const std::string& name) const;
+  // This rank's share of a whole tensor of the named parameter (a copy; tensor parallel), or `whole`
+  // itself for a parameter held whole.
+  at::Tensor share_of(const std::string& name, const at::Tensor& whole) const;
 
   const ModelConfig& config() const { return config_; }
   const ModelStage& stage() const { return stage_; }

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -47,6 +48,7 @@ Mapped gpt2(const std::string& in, const at::Tensor& t) {
   const std::string name = in.rfind("transformer.", 0) == 0 ? in.substr(12) : in;
   if (name == "wte.weight") return {{"embed_tokens.weight", t}};
   if (name == "wpe.weight") return {{"embed_positions.weight", t}};
+  if (name == "lm_head.weight") return {{"lm_head.weight", t}};  // untied (tie_word_embeddings false)
   if (name == "ln_f.weight" || name == "ln_f.bias") return {{"final_norm." + name.substr(5), t}};
   static const std::regex layer(R"(h\.(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias))");
   std::smatch m;
@@ -241,8 +243,19 @@ LoadPlan plan_load(const std::string& dir, const ModelConfig& c, const std::map<
 
 void load_hf_weights(const std::string& dir, CausalLM& model, const std::string& what) {
   const ModelConfig& c = model.config();
+  // A pipeline stage or a tensor-parallel share: the checkpoint is checked against the whole model's
+  // names and shapes (on the meta device), and the part takes what it holds, cut to its share.
+  std::optional<CausalLM> whole;
+  if (!model.stage().whole()) {
+    whole.emplace(c, model.parameters().front().tensor.options().device(at::kMeta), 0, CausalLM::KeepParameter{},
+                  model.finetune());
+  }
+  std::map<std::string, at::Tensor> held;  // the part's own parameters, by name
+  if (whole) {
+    for (const auto& p : model.parameters()) held.emplace(p.name, p.tensor);
+  }
   std::map<std::string, at::Tensor> params;
-  for (const auto& p : model.parameters()) {
+  for (const auto& p : (whole ? *whole : model).parameters()) {
     if (is_lora_parameter(p.name)) continue;  // LoRA's come from --adapter, or start anew
     if (is_nf4_part(p.name)) {
       // An NF4 weight is read dense (its shape checked as such) and quantised.
@@ -257,9 +270,20 @@ void load_hf_weights(const std::string& dir, CausalLM& model, const std::string&
   // copied (or quantised) in turn, so that no more than one of them is in memory beside the model.
   const LoadPlan plan = plan_load(dir, c, &params, what);
   const c10::NoGradGuard no_grad;
+  auto part_holds = [&](const SafetensorsEntry& e) {
+    const at::Tensor shape_only =
+        at::empty(e.shape, at::TensorOptions().dtype(safetensors_scalar_type(e.dtype)).device(at::kMeta));
+    for (const auto& [ours, t] : headroom_tensors(e.name, shape_only, c)) {
+      if (held.contains(ours)) return true;
+    }
+    return false;
+  };
   for (const auto& [file, e] : plan.reads) {
+    if (whole && !part_holds(e)) continue;  // another stage's: not read
     for (auto& [ours, tensor] : headroom_tensors(e.name, plan.files[file].load(e.name), c)) {
-      if (model.nf4_weight(ours) != nullptr) {
+      if (whole) {
+        if (const auto it = held.find(ours); it != held.end()) it->second.copy_(model.share_of(ours, tensor));
+      } else if (model.nf4_weight(ours) != nullptr) {
         model.quantise(ours, tensor);
       } else {
         params.at(ours).copy_(tensor);

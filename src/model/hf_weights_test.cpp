@@ -1,8 +1,10 @@
 // The Hugging Face loader's refusals, each naming the first thing wrong and leaving the model as it
-// was, and a sharded checkpoint (an index and two files) loading as the single file does.
+// was, a sharded checkpoint (an index and two files) loading as the single file does, and a model
+// part (a pipeline stage, a tensor-parallel share) taking its part of a whole checkpoint.
 #include "model/hf_weights.h"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -153,6 +155,49 @@ TEST(HfWeights, EveryFamilySavesTheNamesAndTensorsTransformersSaves) {
     ++families;
   }
   EXPECT_EQ(families, 11);
+}
+
+// GPT-2's widths and vocabulary (2 layers; fused q/k/v, Conv1D weights stored transposed, 50257 rows
+// split unevenly), tied and untied: a whole model's checkpoint loaded into a pipeline stage that is
+// also a tensor-parallel share gives each of its parameters the whole model's, cut here by hand (half
+// the heads of q, k and v; half the MLP's inner rows or columns; vocabulary rows floor(t·V/2) to
+// floor((t+1)·V/2); norms, positions and the o/down biases whole).
+TEST(HfWeights, AStageAndShareLoadsItsPartOfAWholeCheckpoint) {
+  const int64_t h = 768, half = h / 2, inner = 3072 / 2, vocab = 50257;
+  auto by_hand = [&](const std::string& name, const at::Tensor& w, int64_t t) {
+    auto ends = [&](const std::string& tail) { return name.ends_with(tail); };
+    if (name == "embed_tokens.weight" || name == "lm_head.weight") {
+      return w.narrow(0, t * vocab / 2, (t + 1) * vocab / 2 - t * vocab / 2);
+    }
+    if (ends("attn.qkv.weight") || ends("attn.qkv.bias")) {
+      return at::cat({w.narrow(0, t * half, half), w.narrow(0, h + t * half, half), w.narrow(0, 2 * h + t * half, half)});
+    }
+    if (ends("attn.o_proj.weight")) return w.narrow(1, t * half, half);
+    if (ends("mlp.up_proj.weight") || ends("mlp.up_proj.bias")) return w.narrow(0, t * inner, inner);
+    if (ends("mlp.down_proj.weight")) return w.narrow(1, t * inner, inner);
+    return w;
+  };
+  for (const char* tied : {"true", "false"}) {
+    SCOPED_TRACE(std::string("tie_word_embeddings=") + tied);
+    const ModelConfig c = load_model_config("gpt2", {"n_layer=2", std::string("tie_word_embeddings=") + tied});
+    const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+    const CausalLM whole(c, f32, 1);
+    TempDir dir;
+    save_hf_weights(dir.file("hf"), whole);
+    std::map<std::string, at::Tensor> by_name;
+    for (const NamedTensor& p : whole.parameters()) by_name[p.name] = p.tensor;
+    // {embeddings, layer 0} as share 0 of 2, and {layer 1, the head} as share 1.
+    for (const ModelStage& stage : {ModelStage{0, 1, true, false, TensorSlice{0, 2, {}}},
+                                    ModelStage{1, 2, false, true, TensorSlice{1, 2, {}}}}) {
+      SCOPED_TRACE(fmt::format("layers {} to {}, share {}", stage.first, stage.end, stage.tensor.rank));
+      CausalLM part(c, f32, 2, CausalLM::KeepParameter{}, Finetune{}, true, BaseWeights::dense, stage);
+      load_hf_weights(dir.file("hf"), part);
+      ASSERT_FALSE(part.parameters().empty());
+      for (const NamedTensor& p : part.parameters()) {
+        EXPECT_TRUE(at::equal(p.tensor, by_hand(p.name, by_name.at(p.name), stage.tensor.rank))) << p.name;
+      }
+    }
+  }
 }
 
 }  // namespace

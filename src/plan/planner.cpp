@@ -172,7 +172,6 @@ PlanResult fitting_plans(const PlanRequest& r) {
             if (!trainable_where(optimizer, offload, base_spec.cuda)) continue;
             if (tensor > 1 && (optimizer == OptimizerKind::adafactor || optimizer == OptimizerKind::adamw8bit)) continue;
             for (ShardLevel shard : shard_settings(data_ranks)) {
-            if ((stages > 1 || tensor > 1) && shard == ShardLevel::full) continue;  // train refuses it
             for (const LossSetting& loss : loss_settings(r.base.loss, shard, data_ranks)) {
               if (tensor > 1 && loss.chunked) continue;  // train refuses it
               TrainSpec spec = base_spec;

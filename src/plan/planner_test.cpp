@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <utility>
 #include <stdexcept>
 
 #include "estimate/estimator.h"
@@ -202,6 +203,7 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
   rank_plans(all, r, CostModel::flops_only());
   const ModelConfig model = load_model_config(base.model, base.overrides);
   std::set<int64_t> layouts;
+  std::set<std::pair<int64_t, int64_t>> fully_sharded;  // (stages, tensor-parallel ranks) with --shard full
   for (const Plan& p : all.plans) {
     SCOPED_TRACE(p.describe());
     layouts.insert(p.pipeline.stages);
@@ -216,11 +218,13 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
     EXPECT_DOUBLE_EQ(p.terms.compute, work / stages / static_cast<double>(p.tensor_parallel));
     const double transfer = static_cast<double>(p.batch * base.seq * model.hidden_size * 4) / 5e9 + 50e-6;
     EXPECT_NEAR(p.terms.pipeline_transfers, p.pipeline.stages == 1 ? 0.0 : 2 * (m + stages - 2) * transfer, 1e-12);
-    if (p.pipeline.stages > 1) EXPECT_NE(p.shard, ShardLevel::full);
+    if (p.shard == ShardLevel::full) fully_sharded.insert({p.pipeline.stages, p.tensor_parallel});
   }
   EXPECT_EQ(layouts, (std::set<int64_t>{1, 2, 4}));
+  // ZeRO-3 inside a stage or a share, where 2 data-parallel ranks are left to shard over.
+  EXPECT_EQ(fully_sharded, (std::set<std::pair<int64_t, int64_t>>{{1, 1}, {2, 1}, {1, 2}}));
   // Tensor parallel: Llama-3.2-1B's 32 heads, 8 key/value heads, 8192 inner and 128256 vocabulary
-  // split over 2 and 4 (with 2 stages, over 2); never with ZeRO-3. Its sums per micro-batch: 4 per
+  // split over 2 and 4 (with 2 stages, over 2). Its sums per micro-batch: 4 per
   // layer and 2 more, each a ring allreduce of [B, T, hidden] (float32 here), 2(T-1)/T of it over an
   // assumed 150 GB/s, plus 50 µs each and three more for the loss; with 2 stages, the largest stage's
   // share of them (half: the 4 layers are cut evenly, as the compute check above found).
@@ -233,7 +237,6 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
       continue;
     }
     EXPECT_LE(p.pipeline.stages * p.tensor_parallel, 4);
-    EXPECT_NE(p.shard, ShardLevel::full);
     const auto t = static_cast<double>(p.tensor_parallel);
     const double bytes = static_cast<double>(p.batch * base.seq * model.hidden_size) * (p.precision == Precision::fp32 ? 4 : 2);
     const double sums = (4 * 4 + 2) * (2 * (t - 1) / t * bytes / 1.5e11 + 50e-6) + 3 * 50e-6;

@@ -40,16 +40,17 @@ InFlight stage_forward(Run& run, const MicroBatch& b, double& loss_sum) {
   }
   const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
   RouterOutput router;
-  const at::Tensor hidden = run.model->hidden_states(input, run.forward, &router);
-  run.routing_skew = std::max(run.routing_skew, router.skew);
   if (!pipe.last()) {
+    const at::Tensor hidden = run.model->hidden_states(input, run.forward, &router);
+    run.routing_skew = std::max(run.routing_skew, router.skew);
     TORCH_CHECK(hidden.scalar_type() == activation_options(run).dtype(), "pipeline: stage ", pipe.stage(),
                 "'s output is ", hidden.scalar_type(), ", and the next stage expects ", activation_options(run).dtype());
     pipe.send_forward(hidden);
     f.output = hidden;
     return f;
   }
-  const at::Tensor loss = head_loss(*run.model, hidden, b.targets, run.config.loss);
+  const at::Tensor loss = model_loss(*run.model, input, b.targets, run.forward, run.config.loss, &router);
+  run.routing_skew = std::max(run.routing_skew, router.skew);
   loss_sum += loss.item<double>() * b.weight;
   f.output = loss * b.weight;  // token-weighted, as backward_loss weighs a whole model's
   return f;
@@ -103,7 +104,7 @@ void run_pipeline_step(Run& run, const StepShape& shape, StepOutcome& out) {
 double evaluate_pipeline(Run& run, int64_t rows) {
   Pipeline& pipe = *run.pipeline;
   const c10::NoGradGuard no_grad;
-  const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}, nullptr, nullptr};
+  const ForwardOptions eval_forward{run.config.attention, /*training=*/false, {}, run.forward.gate, nullptr};
   double loss_sum = 0;
   int64_t tokens = 0;
   for (const Batch& b : run.data->eval_batches(rows, run.config.eval_rows)) {
@@ -111,12 +112,11 @@ double evaluate_pipeline(Run& run, int64_t rows) {
     at::Tensor input = ids;
     if (!pipe.first()) input = pipe.recv_forward(activation_shape(run, ids), activation_options(run));
     const AutocastScope autocast(run.device.type(), forward_autocast(run.config.precision));
-    const at::Tensor hidden = run.model->hidden_states(input, eval_forward);
     if (!pipe.last()) {
-      pipe.send_forward(hidden);
+      pipe.send_forward(run.model->hidden_states(input, eval_forward));
       continue;
     }
-    loss_sum += head_loss(*run.model, hidden, b.targets.to(run.device), run.config.loss).item<double>() *
+    loss_sum += model_loss(*run.model, input, b.targets.to(run.device), eval_forward, run.config.loss).item<double>() *
                 static_cast<double>(b.tokens());
     tokens += b.tokens();
   }

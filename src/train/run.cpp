@@ -154,11 +154,6 @@ void check_layout(const Run& run, const RunConfig& cfg) {
          "there is one; accepted: --shard none, or more ranks",
          shard_level_name(cfg.shard), lever, run.ranks(), p > 1 ? "stage" : "share");
   }
-  if (cfg.shard == ShardLevel::full) {
-    fail("--shard full with {}: not supported yet{}; accepted: --shard optimizer or gradients",
-         p > 1 ? "--pipeline" : "--tensor-parallel",
-         p > 1 ? " (several micro-batches in flight would each gather the stage's layers)" : "");
-  }
   if (t == 1) return;
   check_tensor_parallel(run.model_config, t);
   if (cfg.loss.chunked) {
@@ -218,12 +213,12 @@ void check_weights_options(const RunConfig& cfg, const Run& run) {
     fail("--weights with --shard full: not supported yet (each rank would need the whole checkpoint while it "
          "slices); accepted: --shard gradients or optimizer");
   }
-  if (run.model_parallel()) {
+  if (run.model_parallel() && !cfg.save_weights.empty()) {
+    // --weights is: each rank reads its stage's tensors and cuts its share.
     const char* lever = run.pipeline ? "--pipeline" : "--tensor-parallel";
-    for (const auto& [given, flag] :
-         {std::pair{!cfg.weights.empty(), "--weights"}, {!cfg.save_weights.empty(), "--save-weights"}}) {
-      if (given) fail("{} with {}: not supported yet; accepted: {} 1", flag, lever, lever);
-    }
+    fail("--save-weights with {}: not supported yet (no rank holds the whole model); accepted: --checkpoint (each "
+         "rank's part), or {} 1",
+         lever, lever);
   }
   if (run.pipeline) {
     if (run.model_config.moe && run.model_config.moe->aux_loss) {
@@ -270,13 +265,19 @@ void refuse_weights_beyond_device(const ModelConfig& mc, c10::ScalarType dtype, 
   }
 }
 
+// The ranks this one trains with data parallel: every rank, or those of its pipeline stage or
+// tensor-parallel share when there are several (null: none).
+Communicator* data_parallel_ranks(const Run& run) {
+  return run.model_parallel() ? run.data_comm.get() : run.comm.get();
+}
+
 // The model's weights; under --shard full the rank's slices of them, which it keeps as the model is
 // built, so that no more than one parameter is ever whole (returned; empty otherwise).
 std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarType dtype) {
   std::vector<at::Tensor> slices;
   CausalLM::KeepParameter keep;
-  if (run.comm && cfg.shard == ShardLevel::full) {
-    keep = [&slices, rank = run.comm->rank(), ranks = run.comm->size()](const NamedTensor& p) {
+  if (Communicator* data = data_parallel_ranks(run); data && cfg.shard == ShardLevel::full) {
+    keep = [&slices, rank = data->rank(), ranks = data->size()](const NamedTensor& p) {
       slices.push_back(DataParallel::weight_slice(p.tensor, rank, ranks));
     };
   }
@@ -295,10 +296,7 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
 void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> slices) {
   OptimizerOptions options;
   options.weight_decay = cfg.weight_decay_value();
-  // Data parallel over every rank, or over the ranks of this pipeline stage or tensor-parallel share
-  // when there are several.
-  Communicator* data = run.model_parallel() ? run.data_comm.get() : run.comm.get();
-  if (data) {
+  if (Communicator* data = data_parallel_ranks(run)) {
     run.replicas = std::make_unique<DataParallel>(*data, run.model->parameters(), cfg.shard,
                                                   run.model->parameter_units(), std::move(slices));
     DataParallel* replicas = run.replicas.get();

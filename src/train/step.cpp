@@ -117,7 +117,8 @@ void clear_gradients(Run& run) {
 }
 
 void rehearse_collectives(Run& run, int64_t step) {
-  if (!run.replicas || run.replicas->knows_collective_order()) return;
+  // Model parallel: an out-of-memory ends the rank (train/oom_guard.h), so there is nothing to replay.
+  if (!run.replicas || run.replicas->knows_collective_order() || run.model_parallel()) return;
   // The same graph as a real micro-batch's (the collectives do not depend on its rows), outside the
   // monitor's step; the loss times zero, so nothing is learnt from it.
   run.replicas->begin_micro_batch();

@@ -64,7 +64,8 @@ void run_step(Run& run, const StepShape& shape, StepOutcome& out);
 
 // --shard full, before the first step: a one-row micro-batch whose gradients are dropped, so that
 // the ranks know the order of their collectives, which a rank that runs out of memory part-way
-// must replay to the others (dist/data_parallel.h). Nothing to do otherwise, or once done.
+// must replay to the others (dist/data_parallel.h). Nothing to do otherwise, once done, or model
+// parallel (an out-of-memory ends that rank).
 void rehearse_collectives(Run& run, int64_t step);
 
 // The mean token loss of up to --eval-rows held-out sequences, in batches of `rows`, without
