@@ -291,7 +291,15 @@ TEST(Nf4Base, LoraTrainsAsOnTheBf16Base) {
               dense.summary.eval_loss, nf4.summary.eval_loss, worst);
   EXPECT_LT(worst, 0.1);
   EXPECT_NEAR(nf4.summary.eval_loss, dense.summary.eval_loss, 0.02 * dense.summary.eval_loss);
-  EXPECT_LT(nf4.summary.eval_loss, nf4.steps.front().loss) << "the adapters learned";
+  // The adapters learned: the last 5 steps' mean loss below the first 5 steps' (a held-out loss
+  // against one training batch's was not: on an AMX Xeon it ended 0.01 above step 1's).
+  auto mean_loss = [&](size_t from) {
+    double sum = 0;
+    for (size_t i = from; i < from + 5; ++i) sum += nf4.steps[i].loss;
+    return sum / 5;
+  };
+  std::printf("  NF4: first 5 steps' mean loss %.4f, last 5 steps' %.4f\n", mean_loss(0), mean_loss(25));
+  EXPECT_LT(mean_loss(25), mean_loss(0)) << "the adapters learned";
   // The projections' bytes, by hand: 2n dense in bf16, n/2 + 4n/64 in NF4.
   const ModelConfig c = load_model_config("tiny");
   int64_t n = 0;
