@@ -235,7 +235,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
               "assumed {:.3g} GB/s inside a node).\n",
               best.predicted_step_seconds, t.compute,
               best.pipeline.stages > 1
-                  ? fmt::format(" (the {} stages' largest share of every micro-batch)", best.pipeline.stages)
+                  ? fmt::format(" (the {} stages' largest share of every micro-batch; layers cut --pipeline-split {}, "
+                                "balanced by memory)",
+                                best.pipeline.stages, pipeline_split_text(best.pipeline.split))
               : best.tensor_parallel > 1 ? fmt::format(" (1/{} of every matmul per rank)", best.tensor_parallel)
                                          : "",
               t.bubble, t.pipeline_transfers, t.collectives, t.tensor_collectives, t.other,

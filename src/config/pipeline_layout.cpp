@@ -70,10 +70,14 @@ std::vector<LayerRange> stage_ranges(const PipelineLayout& layout, const std::ve
   // prefix[i]: the parameters of layers [0, i).
   std::vector<int64_t> prefix(static_cast<size_t>(layers) + 1, 0);
   for (int64_t i = 0; i < layers; ++i) prefix[i + 1] = prefix[i] + layer_params[static_cast<size_t>(i)];
-  auto weight = [&](int64_t stage, int64_t first, int64_t end) {
+  return lightest_cut(layers, p, [&](int64_t stage, int64_t first, int64_t end) {
     return prefix[end] - prefix[first] + (stage == 0 ? embed_params : 0) + (stage == p - 1 ? head_params : 0);
-  };
-  // best[s][i]: the smallest largest stage when layers [0, i) make stages 0..s-1 (s stages).
+  });
+}
+
+std::vector<LayerRange> lightest_cut(int64_t layers, int64_t p,
+                                     const std::function<int64_t(int64_t stage, int64_t first, int64_t end)>& weight) {
+  // best[s][i]: the lightest heaviest stage when layers [0, i) make stages 0..s-1 (s stages).
   constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
   std::vector<std::vector<int64_t>> best(static_cast<size_t>(p) + 1,
                                          std::vector<int64_t>(static_cast<size_t>(layers) + 1, kNone));

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,13 +29,20 @@ struct PipelineLayout {
 std::vector<LayerRange> parse_pipeline_split(const std::string& text);
 std::string pipeline_split_text(const std::vector<LayerRange>& split);
 
+// The contiguous cut of `layers` layers into `stages` stages (each at least one layer) whose
+// heaviest stage, by `weight(stage, first, end)` for layers [first, end), is the lightest; of those
+// the most even (the smallest sum of squared weights), so that no stage is left nearly empty; of
+// equally even ones, the one whose earlier stages (which keep more micro-batches in flight) hold
+// fewer layers. Needs 1 <= stages <= layers.
+std::vector<LayerRange> lightest_cut(int64_t layers, int64_t stages,
+                                     const std::function<int64_t(int64_t stage, int64_t first, int64_t end)>& weight);
+
 // Each stage's layers for a model of `layers` layers whose layer i holds `layer_params[i]`
 // parameters (all equal for most models), the embeddings `embed_params` and the head (with the
 // final norm) `head_params`: the split when one is given (checked against the model: its ranges
-// must cover 0..layers and there must be `stages` of them), else the contiguous cut whose largest
-// stage (its layers plus, at the ends, the embeddings or the head) holds the fewest parameters, and
-// of those the most even (the smallest sum of squared stage sizes), ties going to the earlier stages
-// holding fewer layers (stage 0 keeps the most micro-batches in flight). Throws Error when `stages`
+// must cover 0..layers and there must be `stages` of them), else the lightest_cut by parameters
+// (a stage's layers plus, at the ends, the embeddings or the head). The run's default cut weighs
+// memory instead (estimate/pipeline_cut.h), starting from this one. Throws Error when `stages`
 // exceeds the layers, or the split does not fit the model.
 std::vector<LayerRange> stage_ranges(const PipelineLayout& layout, const std::vector<int64_t>& layer_params,
                                      int64_t embed_params, int64_t head_params);

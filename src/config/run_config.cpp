@@ -275,8 +275,9 @@ const std::vector<RunField>& run_fields() {
        [](RunConfig& c, const std::string& s) { c.pipeline.stages = parse_int("pipeline", s); },
        [](const RunConfig& c) { return Texts{std::to_string(c.pipeline.stages)}; }},
       {"pipeline-split", Kind::text,
-       "with --pipeline: each stage's layers, as FIRST:END ranges (0:12,12:24); default: of the cuts whose largest "
-       "stage holds the fewest parameters, the most even, earlier stages taking fewer layers on a tie",
+       "with --pipeline: each stage's layers, as FIRST:END ranges (0:12,12:24); default: the cut whose highest "
+       "stage peaks lowest by the estimator (stage 0 keeps the most micro-batches in flight, the last the head "
+       "and loss), which estimate prints",
        [](RunConfig& c, const std::string& s) { c.pipeline.split = s.empty() ? std::vector<LayerRange>{} : parse_pipeline_split(s); },
        [](const RunConfig& c) { return Texts{pipeline_split_text(c.pipeline.split)}; }},
       integer("tensor-parallel",

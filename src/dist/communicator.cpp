@@ -175,7 +175,11 @@ void Communicator::run(const char* op, F&& start) {
       // enough for the next collective's buffers to be allocated beside them on one rank and not on
       // another (the first step's peak, two buckets high on rank 0 only). Wait, a bounded moment,
       // until this is the last reference, so that a collective's memory is gone when it returns.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      // Bounded by 10 s, not less: on an overloaded machine the worker thread can wait its turn for
+      // a second or more, and buffers outliving the call add to the rank's peak (suspected in one
+      // unexplained pipeline test run in 17 above its estimate, on two cores and four ranks). The
+      // caller hands the work over: a reference kept elsewhere would hold every call to the bound.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
       while (work.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
     }
   } catch (const c10::OutOfMemoryError& e) {
@@ -253,7 +257,8 @@ void Communicator::recv(at::Tensor& tensor, int src) {
 void Communicator::wait_sends() {
   std::vector<Backend::Pending> sends = std::move(backend_->sends);
   backend_->sends.clear();
-  for (Backend::Pending& p : sends) run("a send", [&] { return p.work; });
+  // The work handed over whole, so that run() can tell when Gloo's worker has let go of it.
+  for (Backend::Pending& p : sends) run("a send", [&] { return std::move(p.work); });
 }
 
 }  // namespace headroom

@@ -22,23 +22,30 @@ std::vector<PipelineSlot> one_f_one_b(int64_t stage, int64_t stages, int64_t mic
   return out;
 }
 
-std::vector<LayerRange> pipeline_stages(const ModelConfig& model, const PipelineLayout& layout) {
-  // The parameters of each layer, of the embeddings and of the head, from a model without memory.
+StageParameters stage_parameters(const ModelConfig& model) {
   const CausalLM meta(model, at::TensorOptions().device(at::kMeta).dtype(at::kFloat), 0);
-  std::vector<int64_t> layer_params(static_cast<size_t>(model.num_layers), 0);
-  int64_t embed = 0, head = 0;
+  StageParameters out;
+  out.layers.assign(static_cast<size_t>(model.num_layers), 0);
   for (const NamedTensor& p : meta.parameters()) {
     const int64_t n = meta.counted_elements(p);
     if (p.name.rfind("layers.", 0) == 0) {
-      layer_params[std::stoul(p.name.substr(7, p.name.find('.', 7) - 7))] += n;
+      out.layers[std::stoul(p.name.substr(7, p.name.find('.', 7) - 7))] += n;
     } else if (p.name.rfind("embed_", 0) == 0) {
-      embed += n;
+      out.embeddings += n;
     } else {
-      head += n;
+      out.head += n;
     }
   }
-  if (model.tie_word_embeddings) head += model.vocab_size * model.hidden_size;  // the last stage's copy
-  return stage_ranges(layout, layer_params, embed, head);
+  if (model.tie_word_embeddings) out.head += model.vocab_size * model.hidden_size;  // the last stage's copy
+  return out;
+}
+
+std::vector<LayerRange> pipeline_stages(const ModelConfig& model, const PipelineLayout& layout) {
+  if (!layout.split.empty() || layout.stages == 1) {
+    return stage_ranges(layout, std::vector<int64_t>(static_cast<size_t>(model.num_layers), 1), 0, 0);
+  }
+  const StageParameters params = stage_parameters(model);
+  return stage_ranges(layout, params.layers, params.embeddings, params.head);
 }
 
 }  // namespace headroom

@@ -23,8 +23,17 @@ struct PipelineSlot {
 // at most min(p - s, m) micro-batches' activations at once, the first stage the most.
 std::vector<PipelineSlot> one_f_one_b(int64_t stage, int64_t stages, int64_t micro_batches);
 
-// Each stage's layers for `model` (by their parameters, or --pipeline-split); throws Error for a
-// layout the model cannot take.
+// The parameters of each layer, of the embeddings and of the head (with the final norm, and with
+// tied embeddings the last stage's copy of them), counted on a model without memory.
+struct StageParameters {
+  std::vector<int64_t> layers;
+  int64_t embeddings = 0, head = 0;
+};
+StageParameters stage_parameters(const ModelConfig& model);
+
+// Each stage's layers for `model` (--pipeline-split, or the cut balancing parameters); throws Error
+// for a layout the model cannot take. The run's default cut balances memory (estimate/pipeline_cut.h)
+// and reaches here as a split.
 std::vector<LayerRange> pipeline_stages(const ModelConfig& model, const PipelineLayout& layout);
 
 }  // namespace headroom

@@ -261,6 +261,48 @@ TEST(Pipeline, EveryRankOfTwoStagesOfTwoHasItsEstimatedPeak) {
   }
 }
 
+// Without --pipeline-split the layers are cut where the estimator balances the stages' peaks
+// (estimate/pipeline_cut.h), and train cuts them there too. GPT-2's tied head and its float32
+// logits over 50257 tokens weigh on the last stage, so the cut gives the first stage more layers
+// than the cut balancing parameters: each rank's measured peak within 1% of its stage's estimate,
+// and the larger of the two measured below the larger of the parameters' cut's, also measured.
+TEST(Pipeline, TheDefaultCutBalancesTheMeasuredPeaks) {
+  TempDir dir;
+  const std::string shape =
+      "--device cpu --model gpt2 --set n_layer=4 --set n_embd=256 --set n_head=4 --seq 256 --batch 1 --accum 4 "
+      "--pipeline 2";
+  const auto estimated = run_command(fmt::format("{} estimate {} --world-size 2 --json --quiet", HEADROOM_BINARY, shape));
+  ASSERT_EQ(estimated.code, 0) << estimated.out;
+  const auto pipeline = nlohmann::json::parse(estimated.out).at("pipeline");
+  const auto split = pipeline.at("split").get<std::string>();
+  const auto by_parameters = pipeline.at("by_parameters").at("split").get<std::string>();
+  ASSERT_NE(split, by_parameters);
+  auto largest_measured_peak = [&](const std::string& flags, const std::string& name) {
+    const auto ranks = launch(2, HEADROOM_BINARY,
+                              fmt::format("train {} {} --steps 2 --eval-rows 0 --metrics {}", shape, flags,
+                                          dir.file(name + ".jsonl")));
+    EXPECT_EQ(ranks.code, 0) << ranks.out;
+    double most = 0;
+    for (int r = 0; r < 2; ++r) {
+      for (const auto& step :
+           read_jsonl(r == 0 ? dir.file(name + ".jsonl") : dir.file(fmt::format("{}.rank{}.jsonl", name, r)))) {
+        const auto measured = step.at("peak_bytes").get<double>();
+        if (flags.empty()) {
+          const auto predicted = pipeline.at("stages")[static_cast<size_t>(r)].at("peak_bytes").get<double>();
+          EXPECT_NEAR(predicted, measured, predicted * 1e-2) << "rank " << r;
+        }
+        most = std::max(most, measured);
+      }
+    }
+    return std::pair{most, ranks.out};
+  };
+  const auto [balanced, said] = largest_measured_peak("", "balanced");
+  EXPECT_THAT(said, ::testing::HasSubstr("layers cut --pipeline-split " + split + ", balanced by each stage's "
+                                         "estimated peak"));
+  const auto [parameters, unused] = largest_measured_peak("--pipeline-split " + by_parameters, "parameters");
+  EXPECT_LT(balanced, parameters);
+}
+
 // The trainer's own report on 4 stages of GPT-2's vocabulary (tied), without dropout (each stage
 // draws its own masks): the final and held-out losses against one process's; each stage's peak, measured by its monitor in every step,
 // below the one process's and within 0.1% of its estimate (headroom estimate --pipeline 4).

@@ -11,6 +11,7 @@
 #include "dist/pipeline_schedule.h"
 #include "model/hf_weights.h"
 #include "device/device.h"
+#include "estimate/pipeline_cut.h"
 #include "estimate/step_replay.h"
 #include "model/tensor_parallel.h"
 #include "util/error.h"
@@ -75,7 +76,14 @@ nlohmann::json Estimate::to_json() const {
                       {"peak_phase", std::string(phase_name(st.peak_phase))},
                       {"micro_batches_in_flight", st.in_flight}});
     }
-    j["pipeline"] = {{"stage", stage}, {"stages", each}};
+    j["pipeline"] = {{"stage", stage},
+                     {"stages", each},
+                     {"split", pipeline_split_text(cut)},
+                     {"cut", balanced ? "balanced by memory" : "given"}};
+    if (balanced && by_parameters_peak > 0) {
+      j["pipeline"]["by_parameters"] = {{"split", pipeline_split_text(by_parameters)},
+                                        {"peak_bytes", by_parameters_peak}};
+    }
   }
   if (cuda) {
     // What nvidia-smi shows beyond PyTorch's reserved memory: not predicted, named with its source.
@@ -121,6 +129,15 @@ std::string Estimate::table() const {
                        fmt::format("pipeline stage {}", st.stage), format_bytes(st.peak_bytes), "", st.first_layer,
                        st.end_layer - 1, st.in_flight, st.in_flight == 1 ? "" : "es", phase_name(st.peak_phase),
                        st.stage == stage ? "; the table above is this stage's" : "");
+  }
+  if (!cut.empty()) {
+    out += fmt::format("{:<26} {:>11} {:>6}  --pipeline-split {}{}\n", "pipeline cut", "-", "", pipeline_split_text(cut),
+                       balanced ? ": balanced by each stage's estimated peak (the default)" : ": as given");
+    if (balanced && by_parameters_peak > 0 && by_parameters != cut) {
+      out += fmt::format("{:<26} {:>11} {:>6}  --pipeline-split {}: balancing parameters instead, its largest stage "
+                         "would peak at this\n",
+                         "cut by parameters", format_bytes(by_parameters_peak), "", pipeline_split_text(by_parameters));
+    }
   }
   if (experts) {
     const std::string assumed =
@@ -187,6 +204,7 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
   Estimate out = std::move(*worst);
   out.stage = stages[static_cast<size_t>(worst - each.begin())].stage;
   out.stages = std::move(stages);
+  out.cut = ranges;
   return out;
 }
 }  // namespace
@@ -212,6 +230,28 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
     if (spec.stage >= spec.pipeline.stages) {
       fail("estimate: stage {} of a {}-stage pipeline; accepted: 0 to {}", spec.stage, spec.pipeline.stages,
            spec.pipeline.stages - 1);
+    }
+    if (spec.pipeline.split.empty() && spec.stage >= 0) {
+      TrainSpec cut = spec;
+      cut.pipeline.split = memory_balanced_cut(model, spec);
+      Estimate e = estimate(model, cut);
+      e.balanced = true;
+      return e;
+    }
+    if (spec.pipeline.split.empty()) {
+      // The proposal replayed; the parameters' cut where it peaks no lower (estimate/pipeline_cut.h).
+      const CutProposal proposal = propose_balanced_cut(model, spec);
+      TrainSpec cut = spec;
+      cut.pipeline.split = proposal.layers;
+      Estimate e = worst_stage(model, cut);
+      if (proposal.layers != proposal.by_parameters && e.step_peak() >= proposal.by_parameters_peak) {
+        cut.pipeline.split = proposal.by_parameters;
+        e = worst_stage(model, cut);
+      }
+      e.balanced = true;
+      e.by_parameters = proposal.by_parameters;
+      e.by_parameters_peak = proposal.by_parameters_peak;
+      return e;
     }
     if (spec.stage < 0) return worst_stage(model, spec);
   }
@@ -244,6 +284,7 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   replay::StepReplay step(model, spec);
   Estimate e = step.run();
   e.stage = spec.pipeline.stages > 1 ? spec.stage : -1;
+  if (spec.pipeline.stages > 1) e.cut = pipeline_stages(model, spec.pipeline);
   return e;
 }
 

@@ -101,6 +101,13 @@ struct Estimate {
   };
   std::vector<Stage> stages;
   int64_t stage = -1;
+  // --pipeline: every stage's layers, as --pipeline-split gave them or, by default, balanced by
+  // memory (estimate/pipeline_cut.h): `balanced`, with the cut balancing parameters and its
+  // largest stage's peak beside it.
+  std::vector<LayerRange> cut;
+  bool balanced = false;
+  std::vector<LayerRange> by_parameters;
+  int64_t by_parameters_peak = 0;
 
   int64_t category(sim::Category c) const { return breakdown[static_cast<size_t>(c)]; }
   // The highest of the step's phases: peak_bytes unless building the model (its initialisation or

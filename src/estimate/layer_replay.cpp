@@ -102,7 +102,7 @@ void LayerReplay::construct_model() {
   const bool loaded = !s_.loaded_tensors.empty();
   // A pipeline stage draws every parameter of the model, in its order, and keeps its own.
   std::vector<std::pair<std::string, int64_t>> drawn;
-  if (stage_.whole()) {
+  if (stage_.whole(c_.num_layers)) {
     for (const auto& name : order_) drawn.emplace_back(name, params_.at(name).t.numel);
   } else {
     const CausalLM whole(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0,

@@ -157,7 +157,7 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   const int64_t kv_dim = c.num_kv_heads * c.head_dim;
   const int64_t inter = c.intermediate_size;
   const bool layer_norm = c.norm == NormKind::layer_norm;
-  if (base_weights_ == BaseWeights::nf4 && !stage_.whole()) {
+  if (base_weights_ == BaseWeights::nf4 && !stage_.whole(c.num_layers)) {
     fail("--base-weights nf4 with --pipeline or --tensor-parallel: not supported");
   }
   const TensorSlice& tp = stage_.tensor;
@@ -172,7 +172,7 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   kv_heads_ = kv.size;
   const Span q_rows{heads.begin * hd, heads.size * hd}, kv_rows{kv.begin * hd, kv.size * hd};
   const Span inner = tp.share(inter), vocab = tp.vocab(c.vocab_size);
-  if (stage_.end < 0) stage_.end = c.num_layers;  // from here stage_.whole() is false: `end` is set
+  if (stage_.end < 0) stage_.end = c.num_layers;
   TORCH_CHECK(stage_.first >= 0 && stage_.first < stage_.end && stage_.end <= c.num_layers,
               "CausalLM: stage layers [", stage_.first, ", ", stage_.end, ") outside the model's ", c.num_layers);
 

@@ -49,8 +49,11 @@ struct ModelStage {
   int64_t first = 0, end = -1;  // end -1: to the last layer
   bool embeddings = true, head = true;
   TensorSlice tensor;
-  // As given (CausalLM sets `end`).
-  bool whole() const { return first == 0 && end < 0 && embeddings && head && tensor.whole(); }
+  // The whole model of `layers` layers: from layer 0 to the last (`end` -1 as given, or the last
+  // layer as CausalLM sets it), with the embeddings and the head, unsplit.
+  bool whole(int64_t layers) const {
+    return first == 0 && (end < 0 || end == layers) && embeddings && head && tensor.whole();
+  }
 };
 
 class CausalLM {

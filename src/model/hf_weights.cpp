@@ -246,8 +246,7 @@ void load_hf_weights(const std::string& dir, CausalLM& model, const std::string&
   // A pipeline stage or a tensor-parallel share: the checkpoint is checked against the whole model's
   // names and shapes (on the meta device), and the part takes what it holds, cut to its share.
   std::optional<CausalLM> whole;
-  const ModelStage& stage = model.stage();  // as the model set it: a whole model's ends at its last layer
-  if (stage.first != 0 || stage.end != c.num_layers || !stage.embeddings || !stage.head || !stage.tensor.whole()) {
+  if (!model.stage().whole(c.num_layers)) {
     whole.emplace(c, model.parameters().front().tensor.options().device(at::kMeta), 0, CausalLM::KeepParameter{},
                   model.finetune());
   }

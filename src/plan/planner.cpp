@@ -29,6 +29,7 @@ nlohmann::json Plan::to_json() const {
           {"shard", shard_level_name(shard)},
           {"world_size", ranks()},
           {"pipeline", pipeline.stages},
+          {"pipeline_split", pipeline_split_text(pipeline.split)},
           {"tensor_parallel", tensor_parallel},
           {"data_parallel", world},
           {"predicted_step_terms",
@@ -207,6 +208,8 @@ PlanResult fitting_plans(const PlanRequest& r) {
          (r.global_batch / world + 1) * world);
   }
   // Estimated side by side, each on its own (a replay shares nothing), and kept in the order above.
+  // A pipeline's layers are cut as train cuts them by default, balancing the stages' estimated
+  // peaks (estimate/pipeline_cut.h), which costs a layout's estimate 1.7x to 3x the parameters' cut.
   const std::vector<Estimate> estimates = estimate_all(model, candidates, r.threads);
   for (size_t i = 0; i < candidates.size(); ++i) {
     const TrainSpec& spec = candidates[i];
@@ -218,6 +221,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
     p.step() = spec.step();
     p.world = spec.world;
     p.predicted_peak_bytes = peak;
+    p.pipeline.split = e.cut;  // the cut the estimate balanced, which train makes again
     p.trainable_params = e.trainable_params;
     for (const EstimateItem& item : e.host_items) {
       if (item.name == "offloaded activations") p.offloaded_activation_bytes = item.bytes;

@@ -211,11 +211,20 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
     EXPECT_EQ(p.batch * p.accum * p.world, 8) << "the global batch over the data-parallel ranks";
     const auto stages = static_cast<double>(p.pipeline.stages), m = static_cast<double>(p.accum);
     EXPECT_DOUBLE_EQ(p.terms.bubble, p.terms.compute * (stages - 1) / m);
-    // 4 layers cut evenly: each stage does 1/P of the layers' work (the head's FLOPs counted with it),
-    // each of T tensor-parallel ranks 1/T of it.
+    // The largest stage of the plan's cut sets the pace: it does its layers' share of the work (the
+    // head's FLOPs counted with it), each of T tensor-parallel ranks 1/T of it. The cut is the
+    // estimate's (balanced by memory), one range per stage over the 4 layers.
+    int64_t most = model.num_layers;
+    if (p.pipeline.stages > 1) {
+      ASSERT_EQ(static_cast<int64_t>(p.pipeline.split.size()), p.pipeline.stages);
+      EXPECT_EQ(p.pipeline.split.back().end, model.num_layers);
+      most = 0;
+      for (const LayerRange& range : p.pipeline.split) most = std::max(most, range.end - range.first);
+    }
     const double work = CostModel::flops_only().step_seconds(model, p.batch, 8 / p.world, base.seq, p.precision,
                                                              p.checkpointing, p.attention, p.loss.chunked);
-    EXPECT_DOUBLE_EQ(p.terms.compute, work / stages / static_cast<double>(p.tensor_parallel));
+    EXPECT_DOUBLE_EQ(p.terms.compute, work * static_cast<double>(most) / static_cast<double>(model.num_layers) /
+                                          static_cast<double>(p.tensor_parallel));
     const double transfer = static_cast<double>(p.batch * base.seq * model.hidden_size * 4) / 5e9 + 50e-6;
     EXPECT_NEAR(p.terms.pipeline_transfers, p.pipeline.stages == 1 ? 0.0 : 2 * (m + stages - 2) * transfer, 1e-12);
     if (p.shard == ShardLevel::full) fully_sharded.insert({p.pipeline.stages, p.tensor_parallel});
@@ -227,7 +236,7 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
   // split over 2 and 4 (with 2 stages, over 2). Its sums per micro-batch: 4 per
   // layer and 2 more, each a ring allreduce of [B, T, hidden] (float32 here), 2(T-1)/T of it over an
   // assumed 150 GB/s, plus 50 µs each and three more for the loss; with 2 stages, the largest stage's
-  // share of them (half: the 4 layers are cut evenly, as the compute check above found).
+  // share of them (its layers' part of the 4).
   std::set<int64_t> widths;
   for (const Plan& p : all.plans) {
     SCOPED_TRACE(p.describe());
@@ -240,8 +249,14 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
     const auto t = static_cast<double>(p.tensor_parallel);
     const double bytes = static_cast<double>(p.batch * base.seq * model.hidden_size) * (p.precision == Precision::fp32 ? 4 : 2);
     const double sums = (4 * 4 + 2) * (2 * (t - 1) / t * bytes / 1.5e11 + 50e-6) + 3 * 50e-6;
+    int64_t most = model.num_layers;
+    if (p.pipeline.stages > 1) {
+      most = 0;
+      for (const LayerRange& range : p.pipeline.split) most = std::max(most, range.end - range.first);
+    }
     EXPECT_NEAR(p.terms.tensor_collectives,
-                static_cast<double>(p.accum) * sums / static_cast<double>(p.pipeline.stages), 1e-12);
+                static_cast<double>(p.accum) * sums * static_cast<double>(most) / static_cast<double>(model.num_layers),
+                1e-12);
   }
   EXPECT_EQ(widths, (std::set<int64_t>{1, 2, 4}));
   // A pipeline plan's peak is the largest stage's, every stage replayed.

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "data/token_file.h"
+#include "estimate/pipeline_cut.h"
 #include "device/cuda_adapter.h"
 #include "device/device.h"
 #include "memory/allocator_config.h"
@@ -168,6 +169,26 @@ void check_layout(const Run& run, const RunConfig& cfg) {
   }
 }
 
+// The layers of each stage: --pipeline-split, or the cut balancing the estimator's peaks of the
+// stages (estimate/pipeline_cut.h), which `headroom estimate` replays too. Every rank cuts alike.
+std::vector<LayerRange> pipeline_cut(const ModelConfig& model, const RunConfig& cfg, int rank) {
+  if (!cfg.pipeline.split.empty()) return pipeline_stages(model, cfg.pipeline);
+  std::vector<LayerRange> cut;
+  std::string why;
+  try {
+    cut = memory_balanced_cut(model, train_spec(cfg));
+    why = "balanced by each stage's estimated peak";
+  } catch (const Error& e) {
+    cut = pipeline_stages(model, cfg.pipeline);
+    why = fmt::format("balanced by parameters, as the estimator cannot replay this run ({})", e.what());
+  }
+  if (!cfg.quiet && rank == 0) {
+    fmt::print(stderr, "headroom train: --pipeline {}: layers cut --pipeline-split {}, {}\n", cfg.pipeline.stages,
+               pipeline_split_text(cut), why);
+  }
+  return cut;
+}
+
 // The ranks as P stages x D data-parallel ranks x T tensor-parallel shares, the shares innermost:
 // rank r holds share r % T of stage r / (D·T), as data-parallel rank (r / T) % D. A share's T ranks
 // are neighbours, inside a node, as their per-block sums want them; then a stage's data-parallel
@@ -201,8 +222,8 @@ void place_ranks(Run& run, const RunConfig& cfg) {
       run.pipeline_comm = group(pipeline_ranks, fmt::format("pipeline_{}_{}", index, share));
       stages = run.pipeline_comm.get();
     }
-    run.pipeline = std::make_unique<Pipeline>(*stages, pipeline_stages(run.model_config, cfg.pipeline),
-                                              run.model_config.tie_word_embeddings);
+    run.pipeline =
+        std::make_unique<Pipeline>(*stages, pipeline_cut(run.model_config, cfg, r), run.model_config.tie_word_embeddings);
   }
 }
 
