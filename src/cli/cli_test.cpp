@@ -176,6 +176,28 @@ TEST(Cli, BadInputThatOnceMisledNowSaysWhatIsAccepted) {
   expect_usage_error("train --checkpoint " + std::string(HEADROOM_BINARY), "is a file");
 }
 
+// The levers of the runs launched at scale (issue 48), where they do not combine: refused before any
+// number is printed, in one line naming what is accepted.
+TEST(Cli, LeversThatDoNotCombineAreRefusedWithWhatIsAccepted) {
+  expect_usage_error("estimate --checkpointing ops --finetune lora:r=8",
+                     "--checkpointing ops with --finetune lora:r=8,alpha=8,dropout=0,targets=q,v: not supported yet");
+  expect_usage_error("train --checkpointing ops --finetune lora:r=8 --steps 1", "accepted: --checkpointing full");
+  expect_usage_error("estimate --model qwen3-30b-a3b --checkpointing ops", "(a mixture of experts): not supported yet");
+  expect_usage_error("estimate --checkpointing ops --offload activations", "--checkpointing ops with --offload");
+  expect_usage_error("estimate --checkpointing ops --tensor-parallel 2 --world-size 2",
+                     "--checkpointing ops with --tensor-parallel 2");
+  expect_usage_error("estimate --precision bf16-params --shard gradients --world-size 2",
+                     "--precision bf16-params with --shard gradients on 2 data-parallel ranks");
+  expect_usage_error("train --precision bf16-params --finetune lora:r=8 --steps 1",
+                     "--precision bf16-params with --finetune lora:r=8,");
+  expect_usage_error("estimate --precision bf16-params --loss chunked", "--precision bf16-params with --loss chunked");
+  expect_usage_error("estimate --reshard-after-forward=false", "accepted: --reshard-after-forward true here");
+  expect_usage_error("estimate --tensor-parallel 2 --world-size 2 --seq 33",
+                     "--seq 33 with --tensor-parallel 2 and sequence parallel");
+  expect_usage_error("train --precision bf16-param", "bf16-params (FSDP2's");
+  expect_usage_error("train --checkpointing op", "ops (per-op");
+}
+
 TEST(Cli, DeviceCudaIsAnErrorOnlyWithoutAGpu) {
   const Result r = run("train --device cuda --steps 1 --batch 1 --seq 8 --set num_hidden_layers=1 --quiet");
   if (cuda_available()) {

@@ -27,7 +27,8 @@ void add_estimate_command(CLI::App& app, std::function<int()>& run) {
                          "rank's, which holds the most vocabulary rows).");
   auto config = bind_run_flags(cmd, {"model", "set", "data", "data-tokens", "weights", "batch", "accum", "seq", "device", "attention", "moe-routing", "finetune", "base-weights", "offload", "loss",
                                      "precision", "checkpointing", "optimizer", "optimizer-impl", "memory-budget",
-                                     "allocator", "allocator-conf", "world-size", "shard", "pipeline", "pipeline-split", "tensor-parallel", "json",
+                                     "allocator", "allocator-conf", "world-size", "shard", "pipeline", "pipeline-split",
+                                     "tensor-parallel", "sequence-parallel", "reshard-after-forward", "json",
                                      "quiet"});
   cmd->callback([config, &run] {
     run = [config]() -> int {

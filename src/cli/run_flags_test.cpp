@@ -71,6 +71,8 @@ const std::map<std::string, std::vector<std::string>>& samples() {
       {"pipeline", {"2"}},
       {"pipeline-split", {"0:1,1:2"}},
       {"tensor-parallel", {"2"}},
+      {"sequence-parallel", {"false"}},
+      {"reshard-after-forward", {"false"}},
       {"world-size", {"2"}},
       {"dist-timeout", {"60"}},
       {"json", {"true"}},

@@ -12,6 +12,7 @@ std::string CheckpointPolicy::name() const {
     case Kind::selective: return "selective";
     case Kind::every: return "every:" + std::to_string(every);
     case Kind::full: return "full";
+    case Kind::ops: return "ops";
   }
   return "?";
 }
@@ -20,6 +21,7 @@ CheckpointPolicy parse_checkpoint_policy(const std::string& text) {
   if (text == "none") return CheckpointPolicy::none();
   if (text == "selective") return CheckpointPolicy::selective();
   if (text == "full") return CheckpointPolicy::full();
+  if (text == "ops") return CheckpointPolicy::ops();
   if (text.rfind("every:", 0) == 0) {
     int64_t k = 0;
     const char* end = text.data() + text.size();
@@ -28,7 +30,7 @@ CheckpointPolicy parse_checkpoint_policy(const std::string& text) {
   }
   fail(
       "--checkpointing '{}': accepted: none, selective (attention only), full (every layer), every:K "
-      "(layers 0, K, 2K, ...; K >= 1)",
+      "(layers 0, K, 2K, ...; K >= 1), ops (per-op: every second matmul and attention kept, the rest recomputed)",
       text);
 }
 

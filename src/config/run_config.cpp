@@ -173,9 +173,16 @@ const std::vector<RunField>& run_fields() {
               &RunConfig::threads),
       choice("attention", "flash (fused SDPA) or math (explicit softmax, materialises scores)", &RunConfig::attention,
              &parse_attention_path, &attention_path_name),
-      choice("precision", "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling) or bf16 (pure)",
+      choice("precision",
+             "fp32, bf16-mixed, fp16-mixed (autocast with dynamic loss scaling), bf16 (pure), or bf16-params "
+             "(FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), torchtitan's default: "
+             "float32 weights, gradients and optimizer state, each layer cast to bf16 and gathered to compute in "
+             "bf16, its gradients reduced in float32; with --shard full, or on one process)",
              &RunConfig::precision, &parse_precision, &precision_name),
-      choice("checkpointing", "activation checkpointing: none, selective (attention), full (every layer) or every:K",
+      choice("checkpointing",
+             "activation checkpointing: none, selective (attention), full (every layer), every:K, or ops (per-op, "
+             "torchtitan's default: in each layer the output of every second matmul and of attention kept, the rest "
+             "recomputed in backward)",
              &RunConfig::checkpointing, &parse_checkpoint_policy,
              [](const CheckpointPolicy& k) { return k.name(); }),
       choice("finetune",
@@ -286,6 +293,17 @@ const std::vector<RunField>& run_fields() {
               "T with --pipeline P), D data-parallel ranks of T (any --shard level among them); "
               "key/value heads fewer than T are replicated; 1: none",
               &RunConfig::tensor_parallel),
+      flag("reshard-after-forward",
+           "with --shard full or --precision bf16-params: a layer's gathered weights are let go after its forward "
+           "and gathered again for its backward (true, FSDP2's default), or kept until backward has its "
+           "gradients (false: less communication, more memory)",
+           &RunConfig::reshard_after_forward),
+      flag("sequence-parallel",
+           "with --tensor-parallel: the norms, residual stream and dropouts between the projections hold 1/T of "
+           "the tokens on each rank (all-gathered before the column-parallel projections and the head, "
+           "reduce-scattered after the row-parallel ones, as torch's SequenceParallel and Megatron-LM do); on by "
+           "default, --sequence-parallel=false replicates them; --seq must be a multiple of T",
+           &RunConfig::sequence_parallel),
       integer("world-size",
               "ranks to predict and plan for (estimate, plan; default: WORLD_SIZE under torchrun, else 1): pipeline "
               "stages x tensor-parallel ranks x data-parallel ranks; under torchrun it must equal the ranks launched",

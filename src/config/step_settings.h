@@ -36,6 +36,7 @@ struct StepSettings {
   CheckpointPolicy checkpointing;
   AttentionPath attention = AttentionPath::flash;
   ShardLevel shard = ShardLevel::none;
+  bool reshard_after_forward = true;  // full sharding: a layer's gathered weights go after its forward
   MoeRouting routing;  // estimate, plan: the routing a mixture of experts is assumed to have
   Finetune finetune;   // which parameters train: all, all but frozen ones, or LoRA adapters
   BaseWeights base_weights = BaseWeights::dense;  // LoRA's frozen projections: dense, or NF4
@@ -43,6 +44,7 @@ struct StepSettings {
   LossSetting loss;                 // the head and the loss over all tokens at once, or in chunks
   PipelineLayout pipeline;          // layers across ranks in stages (1: none)
   int64_t tensor_parallel = 1;      // each layer's matrices and the vocabulary split over ranks (1: none)
+  bool sequence_parallel = true;    // with tensor parallel: the tokens between the blocks split over its ranks
 
   // This object as the step's settings alone, to assign or compare them whole.
   StepSettings& step() { return *this; }

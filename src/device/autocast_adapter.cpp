@@ -26,6 +26,11 @@ AutocastScope::~AutocastScope() {
   at::autocast::set_autocast_dtype(device_, previous_.dtype);
 }
 
+at::Tensor autocast_input(const at::Tensor& t, c10::DeviceType device) {
+  if (!at::autocast::is_autocast_enabled(device) || t.scalar_type() != at::kFloat) return t;
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), t, device);
+}
+
 namespace {
 at::Generator generator_for(const c10::Device& device) {
   if (device.is_cuda()) return at::cuda::detail::getDefaultCUDAGenerator(device.has_index() ? device.index() : 0);

@@ -33,6 +33,11 @@ class AutocastScope {
   bool nested_ = false;
 };
 
+// `t` as an autocast-listed operator (a matmul) on `device` would take it: a low-precision copy
+// (autocast's cached one, for a weight that requires grad) while autocast is on and `t` is float32;
+// `t` itself otherwise.
+at::Tensor autocast_input(const at::Tensor& t, c10::DeviceType device);
+
 // The default generator's state for `device` (cpu, or a cuda device), and its restoration.
 at::Tensor rng_state(const c10::Device& device);
 void set_rng_state(const c10::Device& device, const at::Tensor& state);

@@ -29,6 +29,16 @@ void restore_storage(const at::Tensor& t) {
   s.set_nbytes(bytes);
 }
 
+at::Tensor empty_shell(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor shell = at::empty({0}, options);
+  shell.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return shell;
+}
+
+void become_shell(const at::Tensor& t, c10::ScalarType dtype) {
+  t.set_data(empty_shell(t.sizes(), t.options().dtype(dtype).requires_grad(false)));
+}
+
 bool storage_present(const at::Tensor& t) { return t.storage().nbytes() >= storage_bytes_needed(t); }
 
 at::Tensor untracked_flat(const at::Tensor& t) {

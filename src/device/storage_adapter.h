@@ -14,6 +14,12 @@ namespace headroom {
 void release_storage(const at::Tensor& t);
 // Fresh memory for the whole storage from its allocator (contents undefined); no-op when present.
 void restore_storage(const at::Tensor& t);
+// A tensor of `sizes` (contiguous) holding no memory, as release_storage leaves one, made without
+// allocating: restore_storage gives it its memory.
+at::Tensor empty_shell(at::IntArrayRef sizes, const at::TensorOptions& options);
+// The tensor takes `dtype` (its shape, autograd identity and hooks kept), holding no memory, as
+// release_storage leaves it: restore_storage gives it memory of the new element size.
+void become_shell(const at::Tensor& t, c10::ScalarType dtype);
 // Whether the storage currently holds its memory.
 bool storage_present(const at::Tensor& t);
 // A flat view of t's elements over the same storage that autograd does not track (a version counter

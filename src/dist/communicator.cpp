@@ -116,6 +116,11 @@ Communicator::Communicator(const Communicator& parent, const std::vector<int>& m
   join(parent.backend_->device);
 }
 
+Communicator::Communicator(const c10::Device& device)
+    : timeout_(std::chrono::seconds(1)), backend_(std::make_unique<Backend>()) {
+  backend_->device = device;
+}
+
 c10::Device Communicator::device() const { return backend_->device; }
 
 void Communicator::join(const c10::Device& device) {
@@ -205,6 +210,7 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 }  // namespace
 
 void Communicator::allreduce(at::Tensor& tensor, ReduceOp op) {
+  if (!backend_->group) return;  // alone: the sum is its own
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -212,6 +218,7 @@ void Communicator::allreduce(at::Tensor& tensor, ReduceOp op) {
 }
 
 void Communicator::broadcast(at::Tensor& tensor, int root) {
+  if (!backend_->group) return;
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -220,6 +227,10 @@ void Communicator::broadcast(at::Tensor& tensor, int root) {
 
 void Communicator::reduce_scatter(at::Tensor& output, at::Tensor& input) {
   TORCH_CHECK(input.numel() == output.numel() * size(), "reduce_scatter: input must hold world-size chunks");
+  if (!backend_->group) {
+    output.copy_(input.view_as(output));
+    return;
+  }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   run("reduce-scatter", [&] { return backend_->group->_reduce_scatter_base(output, input, opts); });
@@ -227,14 +238,20 @@ void Communicator::reduce_scatter(at::Tensor& output, at::Tensor& input) {
 
 void Communicator::allgather(at::Tensor& output, at::Tensor& input) {
   TORCH_CHECK(output.numel() == input.numel() * size(), "allgather: output must hold world-size chunks");
+  if (!backend_->group) {
+    output.copy_(input.view_as(output));
+    return;
+  }
   run("allgather", [&] { return backend_->group->_allgather_base(output, input); });
 }
 
 void Communicator::barrier() {
+  if (!backend_->group) return;
   run("barrier", [&] { return backend_->group->barrier(); });
 }
 
 void Communicator::send(const at::Tensor& tensor, int dst) {
+  TORCH_CHECK(backend_->group, "Communicator: a process alone has no one to send to");
   // The sends before this one first: their receivers are never waiting for this rank (a pipeline's
   // receives are posted in schedule order), and a sent tensor then lives exactly until the next
   // send, which the estimate can follow.
@@ -250,6 +267,7 @@ void Communicator::send(const at::Tensor& tensor, int dst) {
 }
 
 void Communicator::recv(at::Tensor& tensor, int src) {
+  TORCH_CHECK(backend_->group, "Communicator: a process alone has no one to receive from");
   std::vector<at::Tensor> tensors{tensor};
   run("a receive", [&] { return backend_->group->recv(tensors, src, /*tag=*/0); });
 }

@@ -48,6 +48,10 @@ class Communicator {
   // Joins the job: the store, then the backend for `device` (Gloo for cpu; NCCL for cuda, whose
   // device must be cuda:LOCAL_RANK). `timeout` bounds the rendezvous and every collective.
   Communicator(const WorldEnv& env, const c10::Device& device, std::chrono::milliseconds timeout);
+  // A process alone (no torchrun), as a group of one: each collective is what it would be on one rank
+  // — a copy (allgather, reduce_scatter) or nothing — and needs no backend. FSDP2's policy on one
+  // process (--precision bf16-params) runs through it.
+  explicit Communicator(const c10::Device& device);
   // A group of some of `parent`'s ranks, with collectives of its own: `members` are parent ranks, in
   // their order in the new group, this process's among them. Every member makes it with the same
   // `name` (unique in the job) at the same point; ranks outside it do nothing.

@@ -35,10 +35,12 @@ class DataParallel::Tagged {
 };
 
 DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& params, ShardLevel level,
-                           std::vector<int> units, std::vector<at::Tensor> slices, int64_t bucket_bytes)
+                           std::vector<int> units, std::vector<at::Tensor> slices, FullSharding full,
+                           int64_t bucket_bytes)
     : comm_(comm),
       params_(params),
       level_(level),
+      full_(full),
       bucket_bytes_(bucket_bytes),
       weight_slices_(std::move(slices)),
       units_(std::move(units)) {
@@ -77,6 +79,7 @@ DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& p
       TORCH_CHECK(view.numel() == s.length, "DataParallel: the kept slice of ", params_[i].name, " has ", view.numel(),
                   " elements, not ", s.length);
       release_storage(params_[i].tensor);
+      if (full_.compute) become_shell(params_[i].tensor, *full_.compute);
     }
     if (s.length == 0) continue;
     view.mutable_grad() = shard_grads_.narrow(0, s.buffer_offset, s.length);
@@ -149,14 +152,26 @@ void DataParallel::reduce_parameter(size_t i, bool zeros) {
   const Tagged buffers(*this, AllocationTag::communication);
   const Slice& s = slices_[i];
   const at::Tensor& param = params_[i].tensor;
-  const at::Tensor grad = zeros ? at::Tensor() : param.grad();
+  at::Tensor grad = zeros ? at::Tensor() : param.grad();
+  if (comm_.size() == 1) {
+    // Alone (bf16-params on one process): the gradient added into the shard, cast as it is read.
+    if (grad.defined()) shard_grads_.narrow(0, s.buffer_offset, s.numel).add_(grad.reshape(-1));
+    if (reduces_in_backward()) ++next_;
+    if (level_ == ShardLevel::full) issued_.push_back({false, i});
+    if (!zeros) param.mutable_grad().reset();
+    return;
+  }
   const int64_t padded = s.chunk * comm_.size();
   at::Tensor input;
-  if (grad.defined() && grad.is_contiguous() && padded == s.numel) {
+  // bf16-params: a bfloat16 gradient is reduced in the shard's float32 (cast in the copy).
+  if (grad.defined() && grad.is_contiguous() && padded == s.numel && grad.scalar_type() == shard_grads_.scalar_type()) {
     input = grad.view(-1);
   } else {
     input = at::zeros({padded}, shard_grads_.options());
     if (grad.defined()) input.narrow(0, 0, s.numel).copy_(grad.reshape(-1));
+    // Copied: the gradient goes before the collective's own buffers come (as FSDP2 frees it).
+    grad.reset();
+    if (!zeros) param.mutable_grad().reset();
   }
   at::Tensor output = at::empty({s.chunk}, shard_grads_.options());
   comm_.reduce_scatter(output, input);
@@ -189,6 +204,12 @@ void DataParallel::end_backward() {
 }
 
 void DataParallel::abandon_backward() {
+  if (comm_.size() == 1) {  // alone: no one waits in a collective
+    in_backward_ = false;
+    release_all();
+    zero_grad();
+    return;
+  }
   if (level_ == ShardLevel::full) {
     in_backward_ = false;
     release_all();  // what the failed forward or backward had gathered
@@ -234,8 +255,10 @@ void DataParallel::gather_zeros(size_t param) {
   const c10::NoGradGuard no_grad;
   const Tagged buffers(*this, AllocationTag::communication);
   const int64_t chunk = slices_[param].chunk;
-  at::Tensor output = at::empty({chunk * comm_.size()}, shard_grads_.options());
-  at::Tensor input = at::zeros({chunk}, shard_grads_.options());
+  // In the dtype the others gather in (the parameters', bf16-params' bfloat16 included).
+  const at::TensorOptions options = params_[param].tensor.options().requires_grad(false);
+  at::Tensor output = at::empty({chunk * comm_.size()}, options);
+  at::Tensor input = at::zeros({chunk}, options);
   comm_.allgather(output, input);
 }
 
@@ -265,7 +288,9 @@ void DataParallel::gather(int unit) {
     // backward's saved references to the parameter must not see a modification.
     at::Tensor flat = untracked_flat(params_[i].tensor);
     const Tagged buffers(*this, AllocationTag::communication);
-    at::Tensor input = weight_slices_[i];
+    // bf16-params: the slice cast to the parameter's dtype, then gathered.
+    at::Tensor input = weight_slices_[i].scalar_type() == flat.scalar_type() ? weight_slices_[i]
+                                                                             : weight_slices_[i].to(flat.scalar_type());
     if (s.length != s.chunk) {
       input = at::zeros({s.chunk}, flat.options());
       input.narrow(0, 0, s.length).copy_(weight_slices_[i]);
@@ -277,8 +302,9 @@ void DataParallel::gather(int unit) {
 }
 
 void DataParallel::forward_done(int unit) {
-  // Backward starts with the head (unit 0) right after the forward: keep it when one will follow.
-  if (unit == 0 && c10::GradMode::is_enabled()) return;
+  // Backward starts with the head (unit 0) right after the forward: keep it when one will follow; a
+  // layer too without resharding after the forward.
+  if ((unit == 0 || !full_.reshard_after_forward) && c10::GradMode::is_enabled()) return;
   release(unit);
 }
 

@@ -57,13 +57,26 @@
 
 namespace headroom {
 
+// How a fully sharded run (level full) holds and gathers its units, as FSDP2's fully_shard options.
+struct FullSharding {
+  // --precision bf16-params (MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)): the
+  // slices stay in the parameters' dtype (float32, as the optimizer updates them), the parameters
+  // themselves become this dtype, each slice cast to it before the all-gather; their gradients come
+  // in it and are cast back to the slices' dtype to be reduce-scattered. nullopt: no cast.
+  std::optional<c10::ScalarType> compute;
+  // reshard_after_forward: a layer lets its gathered parameters go after its forward, to gather them
+  // again for its backward (true), or keeps them until backward has its gradients (false).
+  bool reshard_after_forward = true;
+};
+
 class DataParallel final : private ParameterGate {
  public:
   // At full only: `units`, the unit of each parameter (CausalLM::parameter_units()); `slices`, this
   // rank's slice of each parameter kept while the model was built (weight_slice(), through
-  // CausalLM's KeepParameter), or empty to cut them from the parameters here.
+  // CausalLM's KeepParameter), or empty to cut them from the parameters here; `full`, how units
+  // are held and gathered.
   DataParallel(Communicator& comm, const std::vector<NamedTensor>& params, ShardLevel level,
-               std::vector<int> units = {}, std::vector<at::Tensor> slices = {},
+               std::vector<int> units = {}, std::vector<at::Tensor> slices = {}, FullSharding full = {},
                int64_t bucket_bytes = int64_t{25} << 20);
   // Rank `rank` of `ranks`'s slice of a parameter's flattened elements, in memory of its own: elements
   // [r·c, min((r+1)·c, n)) with c = ceil(n / ranks).
@@ -104,8 +117,9 @@ class DataParallel final : private ParameterGate {
   // (full) it still owed, with zeros — a forward's are every unit's parameters in unit order.
   void begin_forward();
   void abandon_forward();
-  // full: whether a micro-batch has completed, so that a failed one can be replayed to the others.
-  bool knows_collective_order() const { return level_ != ShardLevel::full || !pattern_.empty(); }
+  // full: whether a micro-batch has completed, so that a failed one can be replayed to the others
+  // (alone, there are none to replay it to).
+  bool knows_collective_order() const { return level_ != ShardLevel::full || !pattern_.empty() || comm_.size() == 1; }
   // Every rank passes its outcome code; all get the largest (0: all well).
   int agree(int code);
   double sum(double value);
@@ -160,6 +174,7 @@ class DataParallel final : private ParameterGate {
   AllocationTag current_tag_ = AllocationTag::none;
   std::vector<NamedTensor> params_;
   ShardLevel level_;
+  FullSharding full_;
   int64_t bucket_bytes_;
   std::vector<Slice> slices_;
   std::vector<NamedTensor> optimizer_params_;

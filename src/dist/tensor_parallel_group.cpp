@@ -9,10 +9,20 @@
 
 namespace headroom {
 
-TensorParallelGroup::TensorParallelGroup(Communicator& comm) : comm_(comm) {
+TensorParallelGroup::TensorParallelGroup(Communicator& comm, bool sequence) : comm_(comm) {
   slice_.rank = comm.rank();
   slice_.ranks = comm.size();
+  slice_.sequence = sequence;
   slice_.allreduce = [this](at::Tensor& t, bool max) { comm_.allreduce(t, max ? ReduceOp::max : ReduceOp::sum); };
+  // The collectives chunk along the first dimension: flat views of the [B, seq, hidden] tensors.
+  slice_.allgather = [this](at::Tensor& out, at::Tensor& in) {
+    at::Tensor flat_out = out.view({-1}), flat_in = in.view({-1});
+    comm_.allgather(flat_out, flat_in);
+  };
+  slice_.reduce_scatter = [this](at::Tensor& out, at::Tensor& in) {
+    at::Tensor flat_out = out.view({-1}), flat_in = in.view({-1});
+    comm_.reduce_scatter(flat_out, flat_in);
+  };
 }
 
 double TensorParallelGroup::clip_grad_norm(const std::vector<NamedTensor>& params, const CausalLM& model,

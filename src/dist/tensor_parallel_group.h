@@ -23,8 +23,8 @@ namespace headroom {
 
 class TensorParallelGroup {
  public:
-  // `comm`: the ranks that split the layers, rank t holding share t.
-  explicit TensorParallelGroup(Communicator& comm);
+  // `comm`: the ranks that split the layers, rank t holding share t; `sequence`: sequence parallel.
+  TensorParallelGroup(Communicator& comm, bool sequence);
   TensorParallelGroup(const TensorParallelGroup&) = delete;
   TensorParallelGroup& operator=(const TensorParallelGroup&) = delete;
 

@@ -12,11 +12,11 @@ using sim::Ref;
 
 DataParallelReplay::DataParallelReplay(sim::Memory& memory, const TrainSpec& s,
                                        const std::map<std::string, sim::Param>& params,
-                                       const std::vector<std::string>& order, int ew)
-    : mem_(memory), s_(s), params_(params), order_(order), ew_(ew) {}
+                                       const std::vector<std::string>& order, int ew, int compute_ew)
+    : mem_(memory), s_(s), params_(params), order_(order), ew_(ew), compute_ew_(compute_ew) {}
 
 void DataParallelReplay::prepare(const CausalLM& shapes) {
-  if (s_.world > 1) {
+  if (s_.world > 1 || alone()) {
     comm_ = mem_.label("communication buffers", Category::communication,
                        "the collectives' flat buckets (unsharded: up to 25 MiB), padded gradients and "
                        "gathered parameters (sharded: one parameter at a time)");
@@ -38,21 +38,32 @@ void DataParallelReplay::prepare(const CausalLM& shapes) {
   if (fully_sharded()) prepare_full_sharding(shapes);
 }
 
+int DataParallelReplay::slice_label() {
+  return mem_.label("weight slices", Category::weights,
+                    fmt::format("this rank's slice of each parameter: ceil(n / {}) elements × {} B", s_.world, ew_));
+}
+
+void DataParallelReplay::keep_slice(const std::string& name) {
+  const int64_t n = params_.at(name).t.numel;
+  kept_[name] = mem_.allocate(std::min(chunk(n), n) * ew_, slice_label());
+}
+
 void DataParallelReplay::prepare_full_sharding(const CausalLM& shapes) {
-  const int slice_lbl =
-      mem_.label("weight slices", Category::weights,
-                 fmt::format("this rank's slice of each parameter: ceil(n / {}) elements × {} B", s_.world, ew_));
+  const int slice_lbl = slice_label();
   gathered_lbl_ = mem_.label("gathered weights", Category::weights,
                              "parameters all-gathered while in use: the embeddings and head, and one layer");
   const std::vector<int> units = shapes.parameter_units();
   const std::vector<NamedTensor>& named = shapes.parameters();
   for (const auto& name : order_) {
     const int64_t n = params_.at(name).t.numel;
-    slices_.push_back(mem_.allocate(std::min(chunk(n), n) * ew_, slice_lbl));
+    // Kept as the model was built; else (a checkpoint filled the whole model) cut from it now.
+    const auto kept = kept_.find(name);
+    slices_.push_back(kept != kept_.end() ? kept->second : mem_.allocate(std::min(chunk(n), n) * ew_, slice_lbl));
     for (size_t k = 0; k < named.size(); ++k) {
       if (named[k].name == name) units_.push_back(units[k]);
     }
   }
+  kept_.clear();
   unit_params_.resize(static_cast<size_t>(1 + *std::max_element(units_.begin(), units_.end())));
   for (size_t i = 0; i < order_.size(); ++i) unit_params_[static_cast<size_t>(units_[i])].push_back(i);
   gathered_.resize(unit_params_.size());
@@ -70,11 +81,26 @@ void DataParallelReplay::start_micro_batch() {
 void DataParallelReplay::reduce_scatter(size_t i, bool zeros) {
   const Param& prm = params_.at(order_[i]);
   const int64_t n = prm.t.numel, c = chunk(n);
+  if (alone()) {
+    // Added into the float32 shard as it is (DataParallel::reduce_parameter); on cpu the addition
+    // reads the bfloat16 gradient through a float32 copy of it (TensorIterator's input promotion).
+    Ref cast = !s_.cuda && !zeros && compute_ew_ != ew_ ? mem_.allocate(n * ew_, comm_) : nullptr;
+    cast.reset();
+    if (reduces_in_backward()) ++next_;
+    if (!zeros) prm.t.slot->grad.reset();
+    return;
+  }
   Ref grad = zeros ? nullptr : prm.t.slot->grad;
-  // Padded to N chunks in a zeroed copy unless the gradient already is exactly that.
-  Ref input = (!grad || c * s_.world != n) ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
+  // Padded to N chunks in a zeroed copy unless the gradient already is exactly that (bf16-params: a
+  // float32 copy of the bfloat16 gradient, always).
+  const bool copied = !grad || c * s_.world != n || compute_ew_ != ew_;
+  Ref input = copied ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
+  if (copied) {  // the gradient goes once copied, before the collective's buffers
+    grad.reset();
+    if (!zeros) prm.t.slot->grad.reset();
+  }
   Ref output = mem_.allocate(c * ew_, comm_);
-  if (!s_.cuda) {
+  if (gloo_buffers()) {
     // Gloo reduce-scatters by reducing a flat copy of the whole input and copying this rank's chunk
     // out of it into the output: one transient of the input's size (measured: gpt_neox's untied
     // 50304 x 768 head at 2 ranks; no second, chunk-sized one).
@@ -102,7 +128,7 @@ void DataParallelReplay::finish_backward() {
 }
 
 void DataParallelReplay::after_backward() {
-  if (s_.world > 1) {
+  if (s_.world > 1 || alone()) {
     finish_backward();
     agreement();
   }
@@ -113,21 +139,25 @@ void DataParallelReplay::gather(int unit) {
   if (!held.empty()) return;
   for (size_t i : unit_params_[static_cast<size_t>(unit)]) {
     const int64_t n = params_.at(order_[i]).t.numel, c = chunk(n);
-    held.push_back(mem_.allocate(n * ew_, gathered_lbl_));
-    allgather(n, c);  // rank 0's slice is a whole chunk: sent as it is, unpadded
+    held.push_back(mem_.allocate(n * compute_ew_, gathered_lbl_));
+    // Rank 0's slice is a whole chunk: sent as it is, unpadded (bf16-params: cast first).
+    Ref cast = compute_ew_ != ew_ ? mem_.allocate(c * compute_ew_, comm_) : nullptr;
+    allgather(n, c, compute_ew_);
   }
 }
 
 void DataParallelReplay::release(int unit) { gathered_.at(static_cast<size_t>(unit)).clear(); }
 
-// The embeddings and head (unit 0) are kept for backward while gradients are recorded.
+// The embeddings and head (unit 0) are kept for backward while gradients are recorded, and every
+// layer without resharding after the forward.
 void DataParallelReplay::forward_done(int unit, bool recording) {
-  if (unit != 0 || !recording) release(unit);
+  if (!recording || (unit != 0 && s_.reshard_after_forward)) release(unit);
 }
 
 void DataParallelReplay::before_update() {
-  if (s_.world > 1) {
+  if (s_.world > 1 || alone()) {
     Ref loss_sum = mem_.allocate(8, comm_);  // the global batch's loss, summed over the ranks
+    if (alone()) return;                     // fully sharded: reduced during backward
     if (s_.shard == ShardLevel::none) allreduce_buckets();
     if (s_.shard == ShardLevel::optimizer) {
       for (size_t k = order_.size(); k-- > 0;) reduce_scatter(k, false);
@@ -168,14 +198,14 @@ void DataParallelReplay::gather_parameters() {
   for (const auto& name : order_) {
     const int64_t n = params_.at(name).t.numel, c = chunk(n);
     Ref input = mem_.allocate(c * ew_, comm_);
-    allgather(n, c);
+    allgather(n, c, ew_);
   }
 }
 
-void DataParallelReplay::allgather(int64_t n, int64_t c) {
-  Ref output = c * s_.world != n ? mem_.allocate(c * s_.world * ew_, comm_) : nullptr;
+void DataParallelReplay::allgather(int64_t n, int64_t c, int elem) {
+  Ref output = c * s_.world != n ? mem_.allocate(c * s_.world * elem, comm_) : nullptr;
   // On cpu Gloo gathers into a flat tensor of its own and copies the result out of it.
-  if (!s_.cuda) Ref flat = mem_.allocate(c * s_.world * ew_, comm_);
+  if (gloo_buffers()) Ref flat = mem_.allocate(c * s_.world * elem, comm_);
 }
 
 }  // namespace headroom::replay

@@ -24,14 +24,19 @@ namespace headroom::replay {
 
 class DataParallelReplay final : public ShardGate {
  public:
-  // The model's parameters, by name and in registration order (filled before prepare()).
+  // The model's parameters, by name and in registration order (filled before prepare()). `ew`: bytes
+  // of a weight slice, and of the gradients' shard; `compute_ew`: of a gathered parameter and its
+  // gradient (bf16-params: 2, cast from the float32 slices; else ew).
   DataParallelReplay(sim::Memory& memory, const TrainSpec& s, const std::map<std::string, sim::Param>& params,
-                     const std::vector<std::string>& order, int ew);
+                     const std::vector<std::string>& order, int ew, int compute_ew);
 
+  // bf16-params on one process: FSDP2's policy through a group of one (dist/communicator.h), the
+  // collectives copies.
+  bool alone() const { return s_.world == 1 && s_.precision == Precision::bf16_params; }
   // This rank holds slices of the optimizer state (optimizer, gradients and full levels).
-  bool sharded() const { return s_.world > 1 && s_.shard != ShardLevel::none; }
+  bool sharded() const { return (s_.world > 1 && s_.shard != ShardLevel::none) || alone(); }
   // full: the weights sharded too.
-  bool fully_sharded() const { return s_.world > 1 && s_.shard == ShardLevel::full; }
+  bool fully_sharded() const { return (s_.world > 1 && s_.shard == ShardLevel::full) || alone(); }
   // Elements of a parameter of `numel` per rank: ceil(numel / world).
   int64_t chunk(int64_t numel) const { return (numel + s_.world - 1) / s_.world; }
 
@@ -43,6 +48,7 @@ class DataParallelReplay final : public ShardGate {
   // ShardGate.
   void gather(int unit) override;
   void forward_done(int unit, bool recording) override;
+  void keep_slice(const std::string& name) override;
   // After backward: the reductions still outstanding, the layers let go, and the ranks' agreement.
   void after_backward();
   // At the start of the update: the loss summed over the ranks, and the reductions that wait for it.
@@ -52,9 +58,10 @@ class DataParallelReplay final : public ShardGate {
 
  private:
   // gradients, full: each gradient reduce-scattered during backward.
-  bool reduces_in_backward() const {
-    return s_.world > 1 && (s_.shard == ShardLevel::gradients || s_.shard == ShardLevel::full);
-  }
+  bool reduces_in_backward() const { return fully_sharded() || (s_.world > 1 && s_.shard == ShardLevel::gradients); }
+  // Gloo's own buffers (several cpu ranks): a flat result an all-gather copies out of, a flat copy
+  // of what a reduce-scatter reduces.
+  bool gloo_buffers() const { return !s_.cuda && s_.world > 1; }
   void prepare_full_sharding(const CausalLM& shapes);
   void release(int unit);
   void reduce_scatter(size_t i, bool zeros);
@@ -62,22 +69,25 @@ class DataParallelReplay final : public ShardGate {
   void finish_backward();
   void allreduce_buckets();
   void gather_parameters();
-  // The transients of one all-gather of a parameter of n elements in chunks of c
+  // The transients of one all-gather of a parameter of n elements in chunks of c, `elem` bytes each
   // (DataParallel::allgather_into): the result padded to N chunks unless that is the parameter.
-  void allgather(int64_t n, int64_t c);
+  void allgather(int64_t n, int64_t c, int elem);
   void agreement() { sim::Ref flag = mem_.allocate(8, comm_); }  // a one-element int64 allreduce
 
   sim::Memory& mem_;
   const TrainSpec& s_;
   const std::map<std::string, sim::Param>& params_;
   const std::vector<std::string>& order_;
-  int ew_;                   // parameter bytes
+  int ew_;                   // weight slice and gradient shard bytes
+  int compute_ew_;           // gathered parameter and gradient bytes
   int comm_ = -1;            // label of the collectives' buffers
   sim::Ref shard_;           // sharded: this rank's reduced gradients, one chunk per parameter
   std::vector<bool> ready_;  // gradients: accumulated this backward, not yet reduced
   size_t next_ = 0;          // gradients: reductions issued this backward (last parameter first)
   // full
   std::vector<sim::Ref> slices_;  // per parameter (order_): rank 0's weight slice
+  std::map<std::string, sim::Ref> kept_;  // the slices kept while the model was built, by name
+  int slice_label();
   std::vector<int> units_;        // per parameter (order_): its unit
   std::vector<std::vector<size_t>> unit_params_;
   std::vector<std::vector<sim::Ref>> gathered_;  // per unit: its parameters in full, while gathered

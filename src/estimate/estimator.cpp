@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "config/lever_support.h"
 #include "config/run_config.h"
 #include "data/embedded.h"
 #include "data/token_file.h"
@@ -211,6 +212,7 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
 
 Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
   if (spec.batch < 1 || spec.accum < 1 || spec.seq < 1) fail("estimate: batch, accum and seq must be at least 1");
+  check_lever_support(spec, model, spec.world);
   if (spec.tensor_parallel > 1) {
     check_tensor_parallel(model, spec.tensor_parallel);
     // What train refuses with --tensor-parallel (train/run.cpp), refused here in its words.

@@ -24,7 +24,10 @@ bool is_mixed(Precision p) { return p == Precision::bf16_mixed || p == Precision
 }  // namespace
 
 LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
-    : sim::Ops(is_mixed(s.precision)), c_(c), s_(s), ew_(s.precision == Precision::bf16 ? 2 : 4) {
+    : sim::Ops(is_mixed(s.precision)),
+      c_(c),
+      s_(s),
+      ew_(static_cast<int>(c10::elementSize(compute_dtype(s.precision)))) {
   const std::string w = fmt::format("{} B each", ew_);
   if (s.pipeline.stages > 1) {
     const std::vector<LayerRange> ranges = pipeline_stages(c, s.pipeline);
@@ -35,6 +38,7 @@ LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
   if (s.tensor_parallel > 1) {
     stage_.tensor.rank = s.tensor_parallel - 1;
     stage_.tensor.ranks = s.tensor_parallel;
+    stage_.tensor.sequence = s.sequence_parallel;
   }
   heads_ = stage_.tensor.heads(c.num_heads).size;
   kv_heads_ = stage_.tensor.whole() ? c.num_kv_heads : stage_.tensor.kv_heads(c).size;
@@ -45,7 +49,7 @@ LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
 void LayerReplay::construct_model() {
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
   shapes_ = std::make_unique<CausalLM>(
-      c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0, CausalLM::KeepParameter{},
+      c_, at::TensorOptions().device(at::kMeta).dtype(compute_dtype(s_.precision)), 0, CausalLM::KeepParameter{},
       s_.finetune, true, s_.base_weights, stage_);
   const std::string w = fmt::format("{} B each", ew_);
   for (const auto& np : shapes_->parameters()) {
@@ -100,12 +104,13 @@ void LayerReplay::construct_model() {
   // nothing at the peak, but a caching allocator keeps the largest copy's segment.
   const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");
   const bool loaded = !s_.loaded_tensors.empty();
+  const auto built = static_cast<int64_t>(c10::elementSize(parameter_dtype(s_.precision)));  // the trainer's model
   // A pipeline stage draws every parameter of the model, in its order, and keeps its own.
   std::vector<std::pair<std::string, int64_t>> drawn;
   if (stage_.whole(c_.num_layers)) {
     for (const auto& name : order_) drawn.emplace_back(name, params_.at(name).t.numel);
   } else {
-    const CausalLM whole(c_, at::TensorOptions().device(at::kMeta).dtype(parameter_dtype(s_.precision)), 0,
+    const CausalLM whole(c_, at::TensorOptions().device(at::kMeta).dtype(compute_dtype(s_.precision)), 0,
                          CausalLM::KeepParameter{}, s_.finetune, true, s_.base_weights);
     for (const auto& np : whole.parameters()) drawn.emplace_back(np.name, np.tensor.numel());
   }
@@ -122,6 +127,12 @@ void LayerReplay::construct_model() {
     // Tensor parallel: the share is cut from the whole draw (a copy) before it is copied in.
     const auto held = params_.find(name);
     if (held != params_.end() && held->second.t.numel != numel) Ref cut = mem_.allocate(held->second.t.numel * 4, init);
+    if (gate_ && held != params_.end() && !loaded) {
+      // Full sharding: the parameter holds memory (in the dtype it is built in) while it takes its
+      // draw and its slice is kept, then lets it go.
+      Ref restored = mem_.allocate(held->second.t.numel * built, init);
+      gate_->keep_slice(name);
+    }
   }
   // --weights: then the checkpoint's tensors, read one at a time in their file's dtype.
   const int read = mem_.label("checkpoint tensors", Category::temporaries, "--weights: one tensor at a time, as stored");
@@ -158,13 +169,47 @@ Tensor LayerReplay::project(const Tensor& x, const std::string& weight, const Pa
 }
 
 Tensor LayerReplay::project_out(const Tensor& x, const std::string& weight, const Param* bias, int label) {
-  // Tensor parallel: the partial product summed over the ranks in place, then the bias added.
-  if (stage_.tensor.whole() || bias == nullptr) return project(x, weight, bias, label);
-  return add(project(x, weight, nullptr, label), bias->t, label);
+  // Tensor parallel: the partial product summed over the ranks (in place; sequence parallel: into
+  // this rank's part), then the bias added.
+  if (stage_.tensor.whole()) return project(x, weight, bias, label);
+  Tensor y = project(x, weight, nullptr, label);
+  if (stage_.tensor.splits_sequence()) y = scatter_sequence(y);
+  return bias == nullptr ? y : add(y, bias->t, label);
 }
 
-Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& rope) {
+Tensor LayerReplay::gather_sequence(const Tensor& part) {
+  const int64_t ranks = stage_.tensor.ranks;
+  const int comm = mem_.label("tensor-parallel collectives", Category::communication,
+                              "sequence parallel on Gloo: the all-gather's flat result and the reduce-scatter's "
+                              "flat copy of its input, while each runs");
+  const int lbl = act("gathered tokens", "sequence parallel: a block's normed input all-gathered, B·T·hidden");
+  Tensor whole = make(part.numel * ranks, part.elem, lbl, part.requires_grad());
+  if (!s_.cuda) Ref flat = mem_.allocate(whole.bytes(), comm);  // Gloo gathers into its own, then copies out
+  g_->record({&whole}, {}, [this, part = meta(part), ranks, comm](const std::vector<Ref>&) {
+    Emit e = grad_to(part);
+    if (!s_.cuda) Ref copy = mem_.allocate(part.bytes() * ranks, comm);  // Gloo reduces a flat copy
+    return std::vector<Emit>{e};
+  });
+  return whole;
+}
+
+Tensor LayerReplay::scatter_sequence(const Tensor& partial) {
+  const int64_t ranks = stage_.tensor.ranks;
+  const int comm = mem_.label("tensor-parallel collectives", Category::communication, "");
+  const int lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
+  Tensor part = make(partial.numel / ranks, partial.elem, lbl, partial.requires_grad());
+  if (!s_.cuda) Ref copy = mem_.allocate(partial.bytes(), comm);
+  g_->record({&part}, {}, [this, partial = meta(partial), comm](const std::vector<Ref>&) {
+    Emit e = grad_to(partial);
+    if (!s_.cuda) Ref flat = mem_.allocate(partial.bytes(), comm);
+    return std::vector<Emit>{e};
+  });
+  return part;
+}
+
+Tensor LayerReplay::attention_block(int64_t layer, const Tensor& input, const Rope& rope) {
   const std::string pre = fmt::format("layers.{}.attn.", layer);
+  const Tensor x = enter_share(input);
   const int64_t tokens = x.numel / c_.hidden_size;
   const AttentionShape shape{tokens / s_.seq, s_.seq, heads_, kv_heads_, c_.head_dim};
   const int64_t qw = heads_ * c_.head_dim, kw = kv_heads_ * c_.head_dim;
@@ -210,7 +255,8 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
     // On cuda in 2 bytes a window is FlashAttention's own (model/attention.cpp): no mask; elsewhere
     // the fused kernel gets it as a seq × seq mask.
     const bool mask = windowed && !(s_.cuda && q.elem == 2 && c_.head_dim % 8 == 0 && c_.head_dim <= 256);
-    y = fused_attention(q, k, v, shape, mask, contiguous_query);
+    // Unwindowed, the trainer's per-op checkpointing may keep it (model/op_checkpoint.h).
+    y = fused_attention(q, k, v, shape, mask, contiguous_query, /*keepable=*/!windowed);
   }
   q = k = v = Tensor{};
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
@@ -218,8 +264,9 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& x, const Rope& 
   return dropout(o, c_.resid_dropout, res_lbl);
 }
 
-Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& x) {
+Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& input) {
   const std::string pre = fmt::format("layers.{}.mlp.", layer);
+  const Tensor x = enter_share(input);
   if (c_.sparse(layer)) {
     const MoeConfig& moe = *c_.moe;
     std::vector<ExpertWeights> experts;
@@ -297,6 +344,50 @@ Tensor LayerReplay::checkpointed(const std::function<Tensor(const Tensor&)>& fn,
   return y;
 }
 
+Tensor LayerReplay::op_checkpointed(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x) {
+  if (!x.requires_grad() || !g_->grad_mode()) return fn(x);
+  const int64_t rng_bytes = s_.cuda ? kCudaRngStateBytes : kCpuRngStateBytes;
+  const int lbl = act("checkpoint inputs", "each checkpointed block keeps its input and the RNG state");
+  Ref rng = mem_.allocate(rng_bytes, lbl);
+  auto kept = std::make_shared<sim::KeptOps>();
+  kept->cuda = s_.cuda;
+  g_->set_grad_mode(false);
+  kept_ = kept.get();
+  Tensor y = fn(x);
+  kept_ = nullptr;
+  g_->set_grad_mode(true);
+  y.slot = std::make_shared<sim::GradSlot>();
+  y.slot->numel = y.numel;
+  y.slot->elem = y.elem;
+  // The kept outputs are the node's own data (as torch's checkpoint holds them), not saved tensors.
+  g_->record({&y}, {x.buf}, [this, fn, x = meta(x), rng, rng_bytes, kept](const std::vector<Ref>& in) {
+    Ref restore = mem_.allocate(rng_bytes, tmp_), replayed = mem_.allocate(rng_bytes, tmp_);
+    sim::Graph inner(mem_);
+    sim::Graph* outer = g_;
+    std::map<const Param*, Tensor> cache;
+    auto* outer_cache = cache_;
+    g_ = &inner;
+    cache_ = &cache;
+    kept->recompute = true;
+    kept->matmuls = 0;
+    kept_ = kept.get();
+    Tensor input = x;
+    input.slot = std::make_shared<sim::GradSlot>();
+    input.slot->numel = x.numel;
+    input.slot->elem = x.elem;
+    Tensor out = fn(view(input));
+    kept_ = nullptr;
+    inner.backward(out, in[0]);
+    out = Tensor{};
+    cache.clear();
+    g_ = outer;
+    cache_ = outer_cache;
+    Ref grad = input.slot->grad;
+    return std::vector<Emit>{Emit{x.slot, grad}};
+  });
+  return y;
+}
+
 Tensor LayerReplay::block(int64_t layer, const Tensor& x, const Rope& rope, bool selective) {
   const std::string pre = fmt::format("layers.{}.", layer);
   const int res_lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
@@ -342,7 +433,7 @@ Tensor LayerReplay::gate_backward(const Tensor& x, int unit) {
 Tensor LayerReplay::forward(int64_t rows, const Tensor* input) {
   Tensor x = trunk(rows, input);
   const int logits_lbl = mem_.label("logits", Category::logits, "B·T·vocab in the matmul dtype");
-  Tensor logits = linear(x, head(), nullptr, logits_lbl);
+  Tensor logits = linear(enter_share(x), head(), nullptr, logits_lbl);
   if (gate_) gate_->forward_done(0, g_->grad_mode());
   return logits;
 }
@@ -359,11 +450,15 @@ Tensor LayerReplay::trunk(int64_t rows, const Tensor* input) {
     const Param& embed = p("embed_tokens.weight");
     if (gate_) gate_->gather(0);
     x = stage_.tensor.whole() ? embedding(embed, tokens, ew_, res_lbl) : parallel_embedding(embed, tokens, ew_, res_lbl);
+    if (stage_.tensor.splits_sequence()) x = scatter_sequence(x);
     if (c_.embed_scale != 1.0) x = scale(x, res_lbl);
     if (c_.learned_positions) {
       const Param& pos = p("embed_positions.weight");
-      Ref arange = mem_.allocate(t * 8, tmp_);
-      Tensor pe = make(t * h, ew_, tmp_, pos.t.requires_grad());
+      // Sequence parallel: the positions of this rank's part of the tokens (arange % seq), one per token.
+      const int64_t positions = stage_.tensor.splits_sequence() ? tokens / stage_.tensor.ranks : t;
+      Ref arange = mem_.allocate(positions * 8, tmp_);
+      if (stage_.tensor.splits_sequence()) arange = mem_.allocate(positions * 8, tmp_);
+      Tensor pe = make(positions * h, ew_, tmp_, pos.t.requires_grad());
       g_->record({&pe}, {}, [this, &pos](const std::vector<Ref>&) { return std::vector<Emit>{grad_to(pos.t)}; });
       x = add(x, pe, res_lbl);
     }
@@ -405,7 +500,9 @@ Tensor LayerReplay::trunk(int64_t rows, const Tensor* input) {
       offload.next_layer();
       g_->set_offload(&offload);
     }
-    if (s_.checkpointing.whole_layer(i) && g_->grad_mode()) {
+    if (s_.checkpointing.per_op() && g_->grad_mode()) {
+      x = op_checkpointed([this, i, rope](const Tensor& in) { return block(i, in, rope, false); }, x);
+    } else if (s_.checkpointing.whole_layer(i) && g_->grad_mode()) {
       x = checkpointed([this, i, rope](const Tensor& in) { return block(i, in, rope, false); }, x);
     } else {
       x = block(i, x, rope, s_.checkpointing.attention_only());

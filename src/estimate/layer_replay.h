@@ -36,6 +36,8 @@ class ShardGate {
   virtual void gather(int unit) = 0;
   // The forward has finished with the unit; `recording`: gradients are being recorded.
   virtual void forward_done(int unit, bool recording) = 0;
+  // While the model is built, each parameter in turn (CausalLM's KeepParameter): its slice kept.
+  virtual void keep_slice(const std::string& name) = 0;
 };
 
 class LayerReplay : protected sim::Ops {
@@ -60,7 +62,7 @@ class LayerReplay : protected sim::Ops {
 
   const ModelConfig& c_;
   const TrainSpec& s_;
-  int ew_;  // parameter bytes
+  int ew_;  // parameter bytes, as the forward computes with them (bf16-params: the gathered bfloat16)
   int weights_, grads_;
   int expert_weights_ = -1, expert_grads_ = -1;  // a mixture of experts' (labels made when there are experts)
   int frozen_weights_ = -1;                      // --finetune: parameters without gradients
@@ -87,6 +89,16 @@ class LayerReplay : protected sim::Ops {
   sim::Tensor block(int64_t layer, const sim::Tensor& x, const Rope& rope, bool selective);
   // fn(x) under activation checkpointing: run without recording, recomputed in backward.
   sim::Tensor checkpointed(const std::function<sim::Tensor(const sim::Tensor&)>& fn, const sim::Tensor& x);
+  // fn(x) under per-op checkpointing (model/op_checkpoint.h): run without recording but for the
+  // outputs the policy keeps; recomputed in backward, taking those back.
+  sim::Tensor op_checkpointed(const std::function<sim::Tensor(const sim::Tensor&)>& fn, const sim::Tensor& x);
+  // Sequence parallel (model/tensor_parallel.h): this rank's part of the tokens all-gathered into the
+  // whole (backward: its gradient reduce-scattered), and a partial sum reduce-scattered into this
+  // rank's part (backward: all-gathered), each with the collective's own buffers on Gloo.
+  sim::Tensor gather_sequence(const sim::Tensor& part);
+  sim::Tensor scatter_sequence(const sim::Tensor& partial);
+  // A block's or the head's input as the rank's share computes on it (CausalLM::enter_share).
+  sim::Tensor enter_share(const sim::Tensor& x) { return stage_.tensor.splits_sequence() ? gather_sequence(x) : x; }
   // An identity whose backward has the gate gather `unit` first.
   sim::Tensor gate_backward(const sim::Tensor& x, int unit);
 

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 
+#include "config/checkpoint_policy.h"
+#include "device/attention_kernel_adapter.h"
+
 namespace headroom::sim {
 
 Tensor Ops::cast(const Tensor& x, int elem, int label) {
@@ -27,7 +30,11 @@ Tensor Ops::linear(const Tensor& x, const Param& w, const Param* b, int label) {
   Tensor wi = weight_in(w);
   Tensor bi = b ? weight_in(*b) : Tensor{};
   const bool weights_grad = wi.requires_grad() || bi.requires_grad();
-  Tensor out = make(rows * w.rows, wi.elem, label, xi.requires_grad() || weights_grad);
+  // Without a bias it is aten::mm, which per-op checkpointing counts.
+  const bool keep = b == nullptr && kept_ && CheckpointPolicy::keeps_matmul(++kept_->matmuls);
+  const int64_t numel = rows * w.rows;
+  Tensor out = g_->adopt(output_buffer(numel * wi.elem, label, keep), numel, wi.elem,
+                         xi.requires_grad() || weights_grad);
   std::vector<Ref> saved;
   if (wi.requires_grad()) saved.push_back(xi.buf);
   if (xi.requires_grad()) saved.push_back(wi.buf);
@@ -210,6 +217,14 @@ Ops::Ops(bool mixed) : graph_(mem_), g_(&graph_), mixed_(mixed) {
                        "2-byte copies of the matmul weights, made in forward, kept until their backward");
 }
 
+Ref Ops::output_buffer(int64_t bytes, int label, bool keep) {
+  if (!keep || kept_ == nullptr) return mem_.allocate(bytes, label);
+  if (kept_->recompute) return std::move(kept_->outputs.at(kept_->next++));
+  Ref made = mem_.allocate(bytes, label);
+  kept_->outputs.push_back(made);
+  return made;
+}
+
 Tensor Ops::merge_heads(const Tensor& heads_out, int label) {
   // transpose(1, 2).reshape: a copy into [B, T, heads·head_dim]; its backward reshapes the
   // gradient back, which copies it too.
@@ -232,7 +247,7 @@ Ref Ops::blocked_mask(int64_t t, bool window) {
 }
 
 Tensor Ops::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s, bool windowed,
-                            bool copies_output) {
+                            bool copies_output, bool keepable) {
   const int64_t t = s.seq, qw = s.heads * s.head_dim;
   const int out_lbl = act("attention outputs", "attention output B·T·heads·head_dim, and its float32 log-sum-exp");
   const int e = q.elem;
@@ -247,8 +262,9 @@ Tensor Ops::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, c
         mem_.allocate(t * t * 4, act("attention masks", "seq × seq masks: boolean, or float32 for the fused kernel"));
   }
   const bool rg = q.requires_grad() || k.requires_grad() || v.requires_grad();
-  Tensor y = make(s.tokens() * qw, e, out_lbl, rg);
-  Ref lse = mem_.allocate(s.batch * s.heads * t * 4, out_lbl);
+  const bool keep = keepable && kept_ && !windowed && attention_kernel_available(kept_->cuda, e, s.head_dim);
+  Tensor y = g_->adopt(output_buffer(s.tokens() * qw * e, out_lbl, keep), s.tokens() * qw, e, rg);
+  Ref lse = output_buffer(s.batch * s.heads * t * 4, out_lbl, keep);
   std::vector<Ref> saved{q.buf, k.buf, v.buf, y.buf, lse};
   if (mask) saved.push_back(mask);
   g_->record({&y}, saved, [this, q = meta(q), k = meta(k), v = meta(v)](const std::vector<Ref>&) {

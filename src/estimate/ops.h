@@ -27,6 +27,18 @@ struct AttentionShape {
   int64_t tokens() const { return batch * seq; }
 };
 
+// Per-op checkpointing (model/op_checkpoint.h): one layer's kept outputs. While an Ops has one set,
+// the operators the policy keeps — a matmul without bias in its odd turns (counted per pass), the
+// fused attention kernel where the trainer can call its backward — make their outputs and keep them
+// (the forward), or take the kept ones back instead of allocating (the recompute).
+struct KeptOps {
+  bool cuda = false;
+  bool recompute = false;
+  int64_t matmuls = 0;
+  std::vector<Ref> outputs;  // in the forward's order (attention: its output, then its log-sum-exp)
+  size_t next = 0;
+};
+
 class Ops {
  public:
   // `mixed`: matmuls run under autocast, on 2-byte copies of their inputs and weights.
@@ -108,8 +120,10 @@ class Ops {
   // the output and a float32 log-sum-exp (and the mask when windowed). `copies_output`: the query
   // is a contiguous [B, heads, T, hd] (partial rotary's cat), so the output comes back in that
   // layout and the reshape to [B, T, heads·hd] copies it.
+  // `keepable`: per-op checkpointing may keep it (no window: the kernel of
+  // device/attention_kernel_adapter.h runs it).
   Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s, bool windowed,
-                         bool copies_output);
+                         bool copies_output, bool keepable = false);
   // scaled_dot_product_attention with dropout: the CPU runs ATen's math attention in float32.
   Tensor math_fallback_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionShape& s,
                                  double dropout_p);
@@ -156,6 +170,9 @@ class Ops {
                       int loss_label);
 
  protected:
+  // An operator's output buffer of `bytes`: made (and kept, when `keep` and per-op checkpointing's
+  // forward runs), or the kept one taken back in its recompute.
+  Ref output_buffer(int64_t bytes, int label, bool keep);
   // The boolean mask of positions attention may not see, as model/attention.cpp builds it.
   Ref blocked_mask(int64_t t, bool window);
   // [B, heads, T, hd] heads merged into [B, T, heads·hd] by CausalLM::attention.
@@ -168,6 +185,7 @@ class Ops {
   int copies_;  // autocast's 2-byte weight copies
   bool mixed_;
   std::map<const Param*, Tensor>* cache_ = nullptr;  // autocast's weight copies, per forward
+  KeptOps* kept_ = nullptr;                          // per-op checkpointing's layer, while it runs
   // The load-balancing loss's running statistics (mixture_of_experts with stats), per layer.
   std::vector<Tensor> aux_;
   std::vector<Ref> aux_refs_;

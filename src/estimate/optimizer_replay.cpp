@@ -60,6 +60,8 @@ std::vector<Ref> OptimizerReplay::make_state(const CausalLM& shapes) {
     // Sharded: rank 0's slices of each parameter (the first ceil(n / N) elements), as the trainer's
     // DataParallel hands them to the optimizer.
     std::vector<NamedTensor> owned = shapes.trainable_parameters();  // frozen ones have no state
+    // In the weights' dtype (bf16-params: float32 slices, where the model computes in bfloat16).
+    for (auto& t : owned) t.tensor = t.tensor.to(parameter_dtype(s_.precision));
     OptimizerOptions options;
     if (dp_.sharded()) {
       options.sharding.emplace();

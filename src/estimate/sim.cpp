@@ -99,6 +99,19 @@ Tensor Graph::make(int64_t numel, int elem, int label, bool requires_grad) {
   return t;
 }
 
+Tensor Graph::adopt(Ref buffer, int64_t numel, int elem, bool requires_grad) const {
+  Tensor t;
+  t.buf = std::move(buffer);
+  t.numel = numel;
+  t.elem = elem;
+  if (requires_grad && grad_mode_) {
+    t.slot = std::make_shared<GradSlot>();
+    t.slot->numel = numel;
+    t.slot->elem = elem;
+  }
+  return t;
+}
+
 Tensor Graph::alias(const Tensor& base, int64_t numel) const {
   Tensor t = base;
   t.numel = numel;

@@ -217,6 +217,9 @@ class Graph {
   Tensor make(int64_t numel, int elem, int label, bool requires_grad);
   // The same storage, seen under a new gradient slot (views: view, transpose, narrow as a view).
   Tensor alias(const Tensor& base, int64_t numel) const;
+  // A tensor over a buffer made earlier (per-op checkpointing's kept outputs, handed back in the
+  // recompute); requires grad as make() would.
+  Tensor adopt(Ref buffer, int64_t numel, int elem, bool requires_grad) const;
 
   // Records a backward node: `outputs` are the tensors the op produced, `saved` what it keeps, and
   // `backward` turns the outputs' incoming gradients (same order; null when none arrived) into

@@ -17,10 +17,15 @@ using sim::Param;
 using sim::Ref;
 using sim::Tensor;
 
+// Bytes of an element of what the optimizer updates: the weights' dtype (bf16-params: float32).
+int master_bytes(const TrainSpec& s) { return static_cast<int>(c10::elementSize(parameter_dtype(s.precision))); }
+
 }  // namespace
 
 StepReplay::StepReplay(const ModelConfig& c, const TrainSpec& s)
-    : LayerReplay(c, s), dp_(mem_, s_, params_, order_, ew_), optimizer_(mem_, s_, params_, order_, dp_, ew_) {
+    : LayerReplay(c, s),
+      dp_(mem_, s_, params_, order_, master_bytes(s), ew_),
+      optimizer_(mem_, s_, params_, order_, dp_, master_bytes(s)) {
   if (s.cuda) {
     mem_.set_rounding(512, mem_.label("allocator rounding", Category::allocator,
                                       "the CUDA caching allocator rounds every block up to 512 bytes"));
@@ -34,6 +39,13 @@ Estimate StepReplay::run() {
   // Optimizer state, made when the optimizer is constructed (before the first step).
   const std::vector<Ref> state = optimizer_.make_state(*shapes_);
   if (s_.cuda) reserve_cublas_workspace();
+  // --shard full on several ranks, a model whole on each: before the first step, a one-row micro-batch
+  // whose gradients are dropped (train/step.h's rehearse_collectives). Not part of the step; what it
+  // leaves cached is.
+  if (dp_.fully_sharded() && s_.world > 1 && s_.pipeline.stages == 1 && s_.tensor_parallel == 1) {
+    micro_batch(1);
+    zero_grad_phase();
+  }
   const size_t step_begin = mem_.events().size();
   if (s_.pipeline.stages > 1) {
     pipeline_schedule();
@@ -86,7 +98,9 @@ void StepReplay::micro_batch(int64_t rows) {
 }
 
 void StepReplay::pipeline_schedule() {
-  const int64_t rows = s_.batch, t = s_.seq, h = c_.hidden_size;
+  const int64_t rows = s_.batch, t = s_.seq;
+  // What passes between stages, per micro-batch (sequence parallel: a share's part of the tokens).
+  const int64_t activation = rows * t * c_.hidden_size / (stage_.tensor.splits_sequence() ? stage_.tensor.ranks : 1);
   const int64_t stages = s_.pipeline.stages, stage = s_.stage;
   const bool first = stage_.embeddings, last = stage_.head;
   const int batch_lbl = mem_.label("batch", Category::other, "token ids, B·(T+1) int64, and the targets' copy");
@@ -117,7 +131,7 @@ void StepReplay::pipeline_schedule() {
       InFlight f;
       Ref batch = mem_.allocate(rows * (t + 1) * 8, batch_lbl);
       mem_.set_phase(Phase::forward);
-      if (!first) f.input = make(rows * t * h, ew_, received, true);
+      if (!first) f.input = make(activation, ew_, received, true);
       if (last) {
         f.output = forward_phase(rows, batch_lbl, loss_lbl, &f.input);
       } else {
@@ -141,7 +155,7 @@ void StepReplay::pipeline_schedule() {
       backward_phase(std::move(f.output));
     } else {
       mem_.set_phase(Phase::backward);
-      Ref grad = mem_.allocate(rows * t * h * ew_, transit);
+      Ref grad = mem_.allocate(activation * ew_, transit);
       dp_.start_micro_batch();
       g_->backward(f.output, grad);
       dp_.after_backward();

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "device/flash_window_adapter.h"
+#include "model/op_checkpoint.h"
 
 namespace headroom {
 
@@ -34,8 +35,12 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
       return windowed_flash_attention(q, k, v, *sliding_window, scale, dropout_p);
     }
     if (!windowed) {
-      return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, /*is_causal=*/true, scale,
-                                              /*enable_gqa=*/groups > 1);
+      auto sdpa = [&] {
+        return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, /*is_causal=*/true, scale,
+                                                /*enable_gqa=*/groups > 1);
+      };
+      // Per-op checkpointing keeps the fused kernel's output (model/op_checkpoint.h).
+      return dropout_p == 0 ? op_attention(q, k, v, scale, sdpa) : sdpa();
     }
     auto allowed = blocked_positions(t, sliding_window, q.device()).logical_not();
     return at::scaled_dot_product_attention(q, k, v, allowed, dropout_p, /*is_causal=*/false, scale,

@@ -14,6 +14,7 @@
 #include "device/storage_adapter.h"
 #include "model/activation.h"
 #include "model/hf_weights.h"
+#include "model/op_checkpoint.h"
 #include "util/error.h"
 
 namespace headroom {
@@ -141,8 +142,9 @@ at::Tensor CausalLM::add_param(const std::string& name, std::vector<int64_t> sha
     }
   }
   // Another pipeline stage's parameter: a shape without memory, dropped once the draws are done.
-  at::Tensor t = at::empty(shape, holds(name) ? options_ : options_.device(at::kMeta));
-  if (release_ && !t.is_meta()) release_storage(t);  // memory again only to be initialised
+  // With `keep`, memory only while it is initialised (made without any until then).
+  const at::TensorOptions where = holds(name) ? options_ : options_.device(at::kMeta);
+  at::Tensor t = release_ && !where.device().is_meta() ? empty_shell(shape, where) : at::empty(shape, where);
   params_.push_back({name, t});
   return t;
 }
@@ -337,7 +339,8 @@ std::vector<CausalLM::Adapted> CausalLM::adapters() const {
 
 at::Tensor CausalLM::project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const LoraAdapter& lora,
                              const Nf4Weight& nf4, const ForwardOptions& o) const {
-  const at::Tensor y = nf4.defined() ? nf4_linear(x, nf4, b) : at::linear(x, w, b);
+  // Without a bias a projection is aten::mm, which per-op checkpointing counts (model/op_checkpoint.h).
+  const at::Tensor y = nf4.defined() ? nf4_linear(x, nf4, b) : b.defined() ? at::linear(x, w, b) : op_matmul(x, w);
   return lora_project(x, y, lora, finetune_.lora, o.training);
 }
 
@@ -456,9 +459,25 @@ at::Tensor CausalLM::kv_param(const at::Tensor& p) const {
 
 at::Tensor CausalLM::project_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                                  const LoraAdapter& lora, const Nf4Weight& nf4, const ForwardOptions& o) const {
-  if (stage_.tensor.whole()) return project(x, w, b, lora, nf4, o);
-  const at::Tensor y = leave_parallel(at::linear(x, w), stage_.tensor);
-  return b.defined() ? y + b : y;
+  const TensorSlice& tp = stage_.tensor;
+  if (tp.whole()) return project(x, w, b, lora, nf4, o);
+  const at::Tensor partial = op_matmul(x, w);
+  const at::Tensor y = tp.splits_sequence() ? scatter_sequence(partial, tp) : leave_parallel(partial, tp);
+  return b.defined() ? y + region_param(b) : y;
+}
+
+at::Tensor CausalLM::enter_share(const at::Tensor& input) const {
+  const TensorSlice& tp = stage_.tensor;
+  if (tp.whole()) return input;
+  return tp.splits_sequence() ? gather_sequence(input, tp) : enter_parallel(input, tp);
+}
+
+at::Tensor CausalLM::region_param(const at::Tensor& p) const {
+  return stage_.tensor.splits_sequence() && p.defined() ? shared_gradient(p, stage_.tensor) : p;
+}
+
+at::Tensor CausalLM::region_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const {
+  return norm(x, region_param(w), region_param(b));
 }
 
 at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& input, const RotaryTables& rope,
@@ -466,7 +485,7 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& input, const Ro
   const ModelConfig& c = config_;
   const TensorSlice& tp = stage_.tensor;
   // Tensor parallel: this rank's heads, the input's gradient summed over the ranks.
-  const at::Tensor x = tp.whole() ? input : enter_parallel(input, tp);
+  const at::Tensor x = enter_share(input);
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t hd = c.head_dim;
   const int64_t q_dim = heads_ * hd, kv_dim = kv_heads_ * hd;
@@ -518,7 +537,7 @@ at::Tensor CausalLM::attention(const Layer& l, const at::Tensor& input, const Ro
 
 at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& input, const ForwardOptions& o, RouterStats* stats) const {
   const ModelConfig& c = config_;
-  const at::Tensor x = stage_.tensor.whole() ? input : enter_parallel(input, stage_.tensor);
+  const at::Tensor x = enter_share(input);
   if (!l.experts.empty()) {
     return maybe_dropout(mixture_of_experts(x, l.router_w, l.experts, *c.moe, c.activation, stats), c.resid_dropout,
                          o.training);
@@ -528,7 +547,10 @@ at::Tensor CausalLM::mlp(const Layer& l, const at::Tensor& input, const ForwardO
     auto gate_up = project(x, l.gate_up_w, {}, l.lora_gate_up, l.nf4_gate_up, o).chunk(2, -1);
     h = activate(gate_up[0], c.activation) * gate_up[1];
   } else if (c.gated_mlp) {
-    h = activate(project(x, l.gate_w, l.gate_b, l.lora_gate, l.nf4_gate, o), c.activation) * project(x, l.up_w, l.up_b, l.lora_up, l.nf4_up, o);
+    // Sequenced, gate first: the operands of * are evaluated in an unspecified order, and per-op
+    // checkpointing counts the matmuls in order.
+    const at::Tensor gate = activate(project(x, l.gate_w, l.gate_b, l.lora_gate, l.nf4_gate, o), c.activation);
+    h = gate * project(x, l.up_w, l.up_b, l.lora_up, l.nf4_up, o);
   } else {
     h = activate(project(x, l.up_w, l.up_b, l.lora_up, l.nf4_up, o), c.activation);
   }
@@ -546,21 +568,21 @@ at::Tensor CausalLM::block(const Layer& l, const at::Tensor& x, const RotaryTabl
   if (config_.parallel_residual) {
     // Sequenced: the operands of + are evaluated in an unspecified order, and the order decides
     // which branch backward visits first (and so what memory is live when).
-    at::Tensor with_attention = x + attend(norm(x, l.norm1_w, l.norm1_b));
-    return with_attention + mlp(l, norm(x, l.norm2_w, l.norm2_b), o, stats);
+    at::Tensor with_attention = x + attend(region_norm(x, l.norm1_w, l.norm1_b));
+    return with_attention + mlp(l, region_norm(x, l.norm2_w, l.norm2_b), o, stats);
   }
   switch (config_.norm_placement) {
     case NormPlacement::pre: {
-      auto h = x + attend(norm(x, l.norm1_w, l.norm1_b));
-      return h + mlp(l, norm(h, l.norm2_w, l.norm2_b), o, stats);
+      auto h = x + attend(region_norm(x, l.norm1_w, l.norm1_b));
+      return h + mlp(l, region_norm(h, l.norm2_w, l.norm2_b), o, stats);
     }
     case NormPlacement::post: {
-      auto h = x + norm(attend(x), l.attn_out_norm_w, {});
-      return h + norm(mlp(l, h, o, stats), l.mlp_out_norm_w, {});
+      auto h = x + region_norm(attend(x), l.attn_out_norm_w, {});
+      return h + region_norm(mlp(l, h, o, stats), l.mlp_out_norm_w, {});
     }
     case NormPlacement::sandwich: {
-      auto h = x + norm(attend(norm(x, l.norm1_w, l.norm1_b)), l.attn_out_norm_w, {});
-      return h + norm(mlp(l, norm(h, l.norm2_w, l.norm2_b), o, stats), l.mlp_out_norm_w, {});
+      auto h = x + region_norm(attend(region_norm(x, l.norm1_w, l.norm1_b)), l.attn_out_norm_w, {});
+      return h + region_norm(mlp(l, region_norm(h, l.norm2_w, l.norm2_b), o, stats), l.mlp_out_norm_w, {});
     }
   }
   return x;
@@ -576,7 +598,7 @@ at::Tensor CausalLM::forward(const at::Tensor& input_ids, const ForwardOptions& 
 }
 
 at::Tensor CausalLM::head(const at::Tensor& hidden) const {
-  return at::linear(stage_.tensor.whole() ? hidden : enter_parallel(hidden, stage_.tensor), head_);
+  return at::linear(enter_share(hidden), head_);
 }
 
 at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const ForwardOptions& o, RouterOutput* router) const {
@@ -600,7 +622,9 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input, const ForwardOption
   } else {
     TORCH_CHECK(input.dim() == 3, "a later pipeline stage's input must be [batch, seq, hidden], got ", input.sizes());
   }
-  const int64_t t = input.size(1);
+  // Sequence parallel: a later pipeline stage receives this rank's part of the tokens.
+  const TensorSlice& tp = stage_.tensor;
+  const int64_t t = stage_.embeddings || !tp.splits_sequence() ? input.size(1) : input.size(1) * tp.ranks;
   if (t > config_.max_positions) {
     fail("sequence length {} exceeds the model's max_position_embeddings {}", t, config_.max_positions);
   }
@@ -627,7 +651,9 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input, const ForwardOption
       x = x * at::scalar_tensor(config_.embed_scale, at::TensorOptions().dtype(embed_.scalar_type())).item<double>();
     }
     if (config_.learned_positions) {
-      x = x + at::embedding(pos_embed_, at::arange(t, input.options()));
+      x = x + (tp.splits_sequence()
+                   ? at::embedding(region_param(pos_embed_), sequence_positions(input.size(0), t, tp, input.options()))
+                   : at::embedding(pos_embed_, at::arange(t, input.options())));
     }
     x = maybe_dropout(x, config_.embd_dropout, o.training);
   }
@@ -643,7 +669,12 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input, const ForwardOption
     if (gate) gate->gather(unit);
     std::optional<ActivationOffload::LayerScope> offloaded;
     if (o.offload && c10::GradMode::is_enabled()) offloaded.emplace(*o.offload);
-    if (o.checkpoint.whole_layer(static_cast<int64_t>(i)) && c10::GradMode::is_enabled()) {
+    if (o.checkpoint.per_op() && c10::GradMode::is_enabled()) {
+      ForwardOptions inner = o;
+      inner.checkpoint = {};
+      x = op_checkpointed([this, l, rope, inner](const at::Tensor& h) { return block(*l, h, rope, inner, nullptr); },
+                          x);
+    } else if (o.checkpoint.whole_layer(static_cast<int64_t>(i)) && c10::GradMode::is_enabled()) {
       ForwardOptions inner = o;
       inner.checkpoint = {};  // nothing nested inside a checkpointed layer
       inner.offload = nullptr;  // its recompute runs in backward
@@ -662,7 +693,7 @@ CausalLM::Trunk CausalLM::run_trunk(const at::Tensor& input, const ForwardOption
   if (!stage_.head) return {x, stats};
   // A pipeline's last stage: the final norm and the head are its unit 0.
   if (gate && !stage_.embeddings) gate->gather(0);
-  return {norm(x, final_norm_w_, final_norm_b_), stats};
+  return {region_norm(x, final_norm_w_, final_norm_b_), stats};
 }
 
 }  // namespace headroom

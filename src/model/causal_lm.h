@@ -174,6 +174,14 @@ class CausalLM {
   // bias; the plain projection without tensor parallel.
   at::Tensor project_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const LoraAdapter& lora,
                          const Nf4Weight& nf4, const ForwardOptions& o) const;
+  // Tensor parallel: a block's (or the head's) input as this rank's share computes on it — the whole
+  // tokens (sequence parallel: gathered from the ranks' parts), their gradient summed over the ranks.
+  at::Tensor enter_share(const at::Tensor& input) const;
+  // Sequence parallel: a replicated parameter used on this rank's part of the tokens (a norm's weight,
+  // a bias added after the sum, the position embedding), its gradient summed over the ranks; else p.
+  at::Tensor region_param(const at::Tensor& p) const;
+  // A norm between the blocks (or the final one), over region_param's weights.
+  at::Tensor region_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
   void add_adapters();
   void mark_trainable();
   // x through a projection (dense, or its NF4 weight when defined) and, when adapted, its LoRA adapter.

@@ -186,7 +186,71 @@ struct ParallelTokenLoss : public torch::autograd::Function<ParallelTokenLoss> {
   }
 };
 
+// The whole tokens of a part: [B, seq/T, hidden] parts → [B, seq, hidden].
+std::vector<int64_t> whole_sizes(const at::Tensor& part, int64_t ranks) {
+  std::vector<int64_t> sizes = part.sizes().vec();
+  sizes[1] *= ranks;
+  return sizes;
+}
+
+at::Tensor all_gathered(const TensorSlice& slice, const at::Tensor& part) {
+  TORCH_CHECK(slice.allgather, "sequence parallel: a forward without the ranks' collectives (a shapes-only model)");
+  at::Tensor in = part.contiguous();
+  at::Tensor out = at::empty(whole_sizes(in, slice.ranks), in.options());
+  slice.allgather(out, in);
+  return out;
+}
+
+at::Tensor reduce_scattered(const TensorSlice& slice, const at::Tensor& whole) {
+  TORCH_CHECK(slice.reduce_scatter,
+              "sequence parallel: a forward without the ranks' collectives (a shapes-only model)");
+  TORCH_CHECK(whole.size(1) % slice.ranks == 0, "sequence parallel: ", whole.size(1), " positions over ", slice.ranks,
+              " ranks");
+  at::Tensor in = whole.contiguous();
+  std::vector<int64_t> sizes = in.sizes().vec();
+  sizes[1] /= slice.ranks;
+  at::Tensor out = at::empty(sizes, in.options());
+  slice.reduce_scatter(out, in);
+  return out;
+}
+
+struct GatherSequence : public torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& part, int64_t slice) {
+    ctx->saved_data["slice"] = slice;
+    return all_gathered(*reinterpret_cast<const TensorSlice*>(slice), part);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    return {reduce_scattered(slice_at(ctx), grads[0]), at::Tensor()};
+  }
+};
+
+struct ScatterSequence : public torch::autograd::Function<ScatterSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& partial, int64_t slice) {
+    ctx->saved_data["slice"] = slice;
+    return reduce_scattered(*reinterpret_cast<const TensorSlice*>(slice), partial);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    return {all_gathered(slice_at(ctx), grads[0]), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor gather_sequence(const at::Tensor& part, const TensorSlice& slice) {
+  return GatherSequence::apply(part, address(slice));
+}
+
+at::Tensor scatter_sequence(const at::Tensor& partial, const TensorSlice& slice) {
+  return ScatterSequence::apply(partial, address(slice));
+}
+
+at::Tensor sequence_positions(int64_t batch, int64_t seq, const TensorSlice& slice, const at::TensorOptions& options) {
+  const int64_t part = batch * seq / slice.ranks;
+  return (at::arange(slice.rank * part, (slice.rank + 1) * part, options.dtype(at::kLong)) % seq)
+      .view({batch, seq / slice.ranks});
+}
 
 at::Tensor enter_parallel(const at::Tensor& x, const TensorSlice& slice) {
   return EnterParallel::apply(x, address(slice));
@@ -212,7 +276,7 @@ at::Tensor parallel_embedding(const at::Tensor& weight, const at::Tensor& ids, c
   const at::Tensor outside = ids.lt(span.begin).logical_or_(ids.ge(span.end()));
   at::Tensor x = at::embedding(weight, (ids - span.begin).masked_fill_(outside, 0));
   x.masked_fill_(outside.unsqueeze(-1), 0.0);
-  return leave_parallel(x, slice);
+  return slice.splits_sequence() ? scatter_sequence(x, slice) : leave_parallel(x, slice);
 }
 
 at::Tensor parallel_token_loss(const at::Tensor& logits, const at::Tensor& targets, const TensorSlice& slice,

@@ -9,6 +9,14 @@
 // its bias added after the sum. Norms, position embeddings and residuals are replicated: their
 // gradients come out equal on every rank without a collective.
 //
+// Sequence parallel (on by default, as torch's SequenceParallel and Megatron-LM run it): what lies
+// between the projections — the norms, the residual stream, dropout, the embeddings' sum — holds
+// only 1/T of the tokens on each rank. gather_sequence all-gathers the normed tokens before the
+// column-parallel projections (and the head); scatter_sequence reduce-scatters the row-parallel
+// partial sums instead of all-reducing them. The replicated parameters used there (norm weights,
+// the biases added after the sum, position embeddings) then see only their rank's tokens: their
+// gradients are summed over the ranks in backward (shared_gradient).
+//
 // Key/value heads: with T dividing their number each rank holds its share; with T a multiple of it
 // each is replicated on T / kv ranks (the ranks whose query heads read it), and so are per-head
 // q/k norms on every rank: shared_gradient sums those copies' gradients over the ranks in backward,
@@ -38,13 +46,20 @@ struct Span {
   int64_t end() const { return begin + size; }
 };
 
-// Which share of the layers' matrices this rank holds, and the collective over the ranks that hold
-// the others. The default is the whole.
+// Which share of the layers' matrices this rank holds, and the collectives over the ranks that
+// hold the others. The default is the whole.
 struct TensorSlice {
   int64_t rank = 0, ranks = 1;
+  // Sequence parallel: between the blocks (the norms, residuals and dropouts) each rank holds 1/T of
+  // the batch's tokens, [B, seq/T, hidden] — part r of the flattened [B·seq, hidden] — instead of
+  // all of them (see gather_sequence and scatter_sequence).
+  bool sequence = false;
   // Sums `t` in place over the ranks (max: takes the largest), every rank ending with the result.
   // Unset on the meta device (shapes only); a forward then is an error.
   std::function<void(at::Tensor&, bool max)> allreduce;
+  // Sequence parallel's: `out` gets the ranks' `in` one after the other (allgather), or this
+  // rank's chunk of `in`'s sum over the ranks (reduce_scatter); contiguous tensors, flat chunks.
+  std::function<void(at::Tensor& out, at::Tensor& in)> allgather, reduce_scatter;
 
   bool whole() const { return ranks == 1; }
   // This rank's query heads, of `heads`.
@@ -57,6 +72,8 @@ struct TensorSlice {
   Span share(int64_t n) const;
   // The vocabulary rows: floor(rank·V / T) to floor((rank+1)·V / T).
   Span vocab(int64_t vocab) const;
+  // Sequence parallel is on (and there is more than one rank).
+  bool splits_sequence() const { return sequence && ranks > 1; }
 };
 
 // A parameter's share of the whole tensor `whole` (its shape): the spans along `dim` this rank holds,
@@ -91,8 +108,18 @@ at::Tensor shared_gradient(const at::Tensor& param, const TensorSlice& slice);
 // this rank's rows taken back).
 at::Tensor replicated_rows_gradient(const at::Tensor& param, int64_t dim, int64_t begin, int64_t full_rows,
                                     const TensorSlice& slice);
+// Sequence parallel. gather_sequence: this rank's part [B, seq/T, hidden] → the whole [B, seq,
+// hidden] (an all-gather; backward reduce-scatters the gradient), before the column-parallel
+// projections and the head. scatter_sequence: a row-parallel projection's partial product [B, seq,
+// hidden] → this rank's part of its sum over the ranks (a reduce-scatter; backward all-gathers the
+// gradient), in place of leave_parallel.
+at::Tensor gather_sequence(const at::Tensor& part, const TensorSlice& slice);
+at::Tensor scatter_sequence(const at::Tensor& partial, const TensorSlice& slice);
+// Sequence parallel: the positions of this rank's part of a [B, seq] batch, [B, seq/T] int64 —
+// position i of the flattened tokens is i % seq.
+at::Tensor sequence_positions(int64_t batch, int64_t seq, const TensorSlice& slice, const at::TensorOptions& options);
 // The embedding of `ids` through this rank's vocabulary rows `weight` ([span.size, hidden]), summed
-// over the ranks: the whole embedding on every rank.
+// over the ranks: the whole embedding on every rank (sequence parallel: this rank's part of it).
 at::Tensor parallel_embedding(const at::Tensor& weight, const at::Tensor& ids, const TensorSlice& slice,
                               int64_t vocab);
 // The mean cross-entropy over every token of the split logits [..., span.size] (any dtype; float32

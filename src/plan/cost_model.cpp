@@ -30,6 +30,35 @@ double attention_flops_per_layer(const ModelConfig& c, double tokens, double seq
   return 4 * tokens * seq * static_cast<double>(c.num_heads * c.head_dim) * (attention == AttentionPath::flash ? 0.5 : 1.0);
 }
 
+// --checkpointing ops (model/op_checkpoint.h): the recomputed matmul weights of one layer, those
+// with a bias (aten::addmm, not kept) and every second one without, in the forward's order.
+double recomputed_matmul_params(const ModelConfig& c) {
+  const double h = static_cast<double>(c.hidden_size), q = static_cast<double>(c.num_heads * c.head_dim);
+  const double kv = static_cast<double>(c.num_kv_heads * c.head_dim), i = static_cast<double>(c.intermediate_size);
+  std::vector<std::pair<double, bool>> projections;  // weights, has a bias
+  if (c.fused_qkv) {
+    projections.push_back({h * (q + 2 * kv), c.qkv_bias});
+  } else {
+    for (double rows : {q, kv, kv}) projections.push_back({h * rows, c.qkv_bias});
+  }
+  projections.push_back({q * h, c.out_bias});
+  if (c.fused_gate_up) {
+    projections.push_back({2 * h * i, false});
+  } else {
+    if (c.gated_mlp) projections.push_back({h * i, c.mlp_bias});
+    projections.push_back({h * i, c.mlp_bias});
+  }
+  projections.push_back({i * h, c.mlp_bias});
+  double recomputed = 0;
+  int64_t counted = 0;
+  for (const auto& [weights, bias] : projections) {
+    if (bias || !CheckpointPolicy::keeps_matmul(++counted)) recomputed += weights;
+  }
+  return recomputed;
+}
+
+double compute_bytes(Precision p) { return static_cast<double>(c10::elementSize(compute_dtype(p))); }
+
 }  // namespace
 
 double micro_batch_flops(const ModelConfig& c, int64_t rows, int64_t seq, const CheckpointPolicy& checkpointing,
@@ -50,6 +79,13 @@ double micro_batch_flops(const ModelConfig& c, int64_t rows, int64_t seq, const 
     }
     case CheckpointPolicy::Kind::selective:
       recompute = (2 * attention_matmul_params(c) * tokens + attn_per_layer) * layers;
+      break;
+    case CheckpointPolicy::Kind::ops:
+      // The kept attention kernel is not run again (a windowed layer's is).
+      recompute = 2 * recomputed_matmul_params(c) * tokens * layers;
+      for (int64_t l = 0; l < c.num_layers; ++l) {
+        if (c.windowed(l) && *c.sliding_window < seq) recompute += attn_per_layer;
+      }
       break;
   }
   if (chunked_loss) recompute += 2 * static_cast<double>(c.vocab_size * c.hidden_size) * tokens;
@@ -122,7 +158,8 @@ double CostModel::state_lever_seconds(int64_t trainable_params, Precision precis
 double CostModel::pipeline_transfer_seconds(const ModelConfig& model, int64_t rows, int64_t seq, Precision precision,
                                             int64_t stages, int64_t micro_batches) const {
   if (stages <= 1) return 0;
-  const double bytes = static_cast<double>(rows * seq * model.hidden_size) * (precision == Precision::bf16 ? 2.0 : 4.0);
+  // Activations in the dtype the model computes with (bf16 and bf16-params: 2 bytes).
+  const double bytes = static_cast<double>(rows * seq * model.hidden_size) * compute_bytes(precision);
   const auto transfers = static_cast<double>(2 * (micro_batches + stages - 2));
   return transfers * (bytes / link_ + kCollectiveLatencySeconds);
 }
@@ -142,6 +179,8 @@ double CostModel::communication_seconds(const ModelConfig& model, Precision prec
                                         ShardLevel shard, int64_t accum) const {
   if (world <= 1) return 0;
   const double bytes = static_cast<double>(count_parameters(model)) * (precision == Precision::bf16 ? 2.0 : 4.0);
+  // What --shard full gathers: the parameters as the model computes with them (bf16-params: bf16).
+  const double gathered = static_cast<double>(count_parameters(model)) * compute_bytes(precision);
   const double part = static_cast<double>(world - 1) / static_cast<double>(world);
   double volume = 0, collectives = 0;
   switch (shard) {
@@ -163,8 +202,8 @@ double CostModel::communication_seconds(const ModelConfig& model, Precision prec
       const int64_t outer = model.vocab_size * model.hidden_size * (model.tie_word_embeddings ? 1 : 2) +
                             (model.learned_positions ? model.max_positions * model.hidden_size : 0);
       const double layers =
-          bytes * static_cast<double>(count_parameters(model) - outer) / static_cast<double>(count_parameters(model));
-      volume = static_cast<double>(accum) * part * (2 * bytes + layers);
+          gathered * static_cast<double>(count_parameters(model) - outer) / static_cast<double>(count_parameters(model));
+      volume = static_cast<double>(accum) * part * (gathered + layers + bytes);
       collectives = 3 * static_cast<double>(accum) * static_cast<double>(model.num_layers * 10 + 4);
       break;
     }

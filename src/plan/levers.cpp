@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "config/lever_support.h"
 #include "device/device.h"
 
 namespace headroom {
@@ -23,7 +24,7 @@ const char* lever_name(Lever lever) {
 
 std::vector<Precision> precision_settings(Precision given) {
   if (given == Precision::bf16) return {Precision::bf16};
-  return {Precision::fp32, Precision::bf16_mixed, Precision::fp16_mixed};
+  return {Precision::fp32, Precision::bf16_mixed, Precision::fp16_mixed, Precision::bf16_params};
 }
 
 std::vector<CheckpointPolicy> checkpoint_settings(const ModelConfig& model) {
@@ -33,6 +34,7 @@ std::vector<CheckpointPolicy> checkpoint_settings(const ModelConfig& model) {
     if (model.num_layers > k) out.push_back(CheckpointPolicy::every_kth(k));
   }
   out.push_back(CheckpointPolicy::full());
+  if (!model.moe) out.push_back(CheckpointPolicy::ops());  // config/lever_support.h
   return out;
 }
 
@@ -81,6 +83,9 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
   auto add = [&](Lever lever, std::string setting, std::string note, std::function<void(RunConfig&)> apply) {
     RunConfig changed = cfg;
     apply(changed);
+    // Train would refuse it.
+    const int64_t data_ranks = world_size_of(changed) / (changed.pipeline.stages * changed.tensor_parallel);
+    if (!levers_combine(changed, model, data_ranks)) return;
     out.push_back({lever, std::move(setting), shell_line(run_args(changed, cfg)), std::move(note), std::move(apply)});
   };
   for (int64_t div : {2, 4}) {
@@ -92,14 +97,19 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
           c.accum = accum;
         });
   }
-  for (Precision p : {Precision::bf16_mixed, Precision::fp16_mixed, Precision::bf16}) {
+  for (Precision p : {Precision::bf16_mixed, Precision::fp16_mixed, Precision::bf16, Precision::bf16_params}) {
     if (p == cfg.precision) continue;
-    add(Lever::precision, precision_name(p), p == Precision::bf16 ? "weights, gradients and state in bf16 too" : "autocast",
-        [p](RunConfig& c) { c.precision = p; });
+    const char* note = p == Precision::bf16          ? "weights, gradients and state in bf16 too"
+                       : p == Precision::bf16_params ? "FSDP2's: float32 weights and state, each layer cast to bf16 "
+                                                       "when used, gradients reduced in float32"
+                                                     : "autocast";
+    add(Lever::precision, precision_name(p), note, [p](RunConfig& c) { c.precision = p; });
   }
   for (const CheckpointPolicy& k : checkpoint_settings(model)) {
     if (k == cfg.checkpointing || k.kind == CheckpointPolicy::Kind::none) continue;
-    add(Lever::checkpointing, k.name(), "recompute in backward", [k](RunConfig& c) { c.checkpointing = k; });
+    add(Lever::checkpointing, k.name(),
+        k.per_op() ? "recompute in backward all but every second matmul and attention" : "recompute in backward",
+        [k](RunConfig& c) { c.checkpointing = k; });
   }
   for (AttentionPath a : attention_settings()) {
     if (a == cfg.attention) continue;

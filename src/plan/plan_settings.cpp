@@ -51,6 +51,18 @@ const char* torch_optimizer(OptimizerKind k) {
   return "";
 }
 
+// --precision bf16-params in PyTorch's own words.
+constexpr const char* kFsdp2Recipe =
+    "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32); fully_shard(layer, "
+    "mp_policy=mp) for each decoder layer, then fully_shard(model, mp_policy=mp) (torch.distributed.fsdp); the "
+    "weights stay float32, no autocast";
+
+// --checkpointing ops in PyTorch's own words (torchtitan's default policy).
+constexpr const char* kPerOpRecipe =
+    "per op: context_fn=lambda: create_selective_checkpoint_contexts(policy) (torch.utils.checkpoint) with a "
+    "policy that returns MUST_SAVE for aten.mm on its 1st, 3rd, 5th... call in the layer and for the SDPA "
+    "kernels, PREFER_RECOMPUTE otherwise";
+
 }  // namespace
 
 nlohmann::json training_arguments(const Plan& p) {
@@ -66,14 +78,15 @@ nlohmann::json training_arguments(const Plan& p) {
     model["dtype"] = "bfloat16";
     notes.push_back("bf16: the weights themselves are bfloat16 (from_pretrained(dtype=torch.bfloat16)), no autocast");
   }
+  if (p.precision == Precision::bf16_params) notes.push_back(std::string("bf16-params: ") + kFsdp2Recipe);
   if (p.optimizer == OptimizerKind::adam) args["weight_decay"] = 0.0;
   if (p.optimizer == OptimizerKind::adamw) args["weight_decay"] = 0.1;
   if (p.optimizer == OptimizerKind::momentum) args["optim_args"] = "momentum=0.9";
   if (p.checkpointing.kind == CheckpointPolicy::Kind::selective ||
-      p.checkpointing.kind == CheckpointPolicy::Kind::every) {
+      p.checkpointing.kind == CheckpointPolicy::Kind::every || p.checkpointing.per_op()) {
     notes.push_back(fmt::format(
-        "checkpointing {}: transformers checkpoints every layer; its peak is lower and its step slower than planned",
-        p.checkpointing.name()));
+        "checkpointing {}: transformers checkpoints every layer; its peak is lower and its step slower than planned{}",
+        p.checkpointing.name(), p.checkpointing.per_op() ? std::string("; ") + kPerOpRecipe : ""));
   }
   if (offloads_activations(p.offload)) {
     notes.push_back(
@@ -148,6 +161,9 @@ nlohmann::json lightning_trainer_kwargs(const Plan& p) {
     model["dtype"] = "bfloat16";
     notes.push_back("bf16: precision=\"bf16-true\" keeps the weights themselves in bfloat16, no autocast");
   }
+  if (p.precision == Precision::bf16_params) {
+    notes.push_back(std::string("bf16-params: Lightning's ModelParallelStrategy, in configure_model: ") + kFsdp2Recipe);
+  }
   if (p.checkpointing.kind != CheckpointPolicy::Kind::none) {
     notes.push_back(
         "checkpointing has no Trainer argument: in the LightningModule's configure_model, call "
@@ -155,11 +171,11 @@ nlohmann::json lightning_trainer_kwargs(const Plan& p) {
         "torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)");
   }
   if (p.checkpointing.kind == CheckpointPolicy::Kind::selective ||
-      p.checkpointing.kind == CheckpointPolicy::Kind::every) {
+      p.checkpointing.kind == CheckpointPolicy::Kind::every || p.checkpointing.per_op()) {
     notes.push_back(fmt::format(
         "checkpointing {}: gradient_checkpointing_enable() checkpoints every layer; its peak is lower and its "
-        "step slower than planned",
-        p.checkpointing.name()));
+        "step slower than planned{}",
+        p.checkpointing.name(), p.checkpointing.per_op() ? std::string("; ") + kPerOpRecipe : ""));
   }
   if (offloads_activations(p.offload)) {
     notes.push_back(
@@ -230,6 +246,7 @@ std::string lightning_trainer_code(const Plan& p) {
 std::string torch_loop_code(const Plan& p, const std::string& device) {
   std::string out = fmt::format("# {}\n", p.describe());
   if (p.precision == Precision::bf16) out += "model = model.to(torch.bfloat16)  # bf16: the weights themselves\n";
+  if (p.precision == Precision::bf16_params) out += fmt::format("# bf16-params: {}\n", kFsdp2Recipe);
   if (p.checkpointing.kind != CheckpointPolicy::Kind::none) {
     out += fmt::format(
         "# checkpointing {}: wrap {} in torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)\n"
@@ -238,7 +255,8 @@ std::string torch_loop_code(const Plan& p, const std::string& device) {
         p.checkpointing.kind == CheckpointPolicy::Kind::full ? "every layer's forward"
         : p.checkpointing.kind == CheckpointPolicy::Kind::selective
             ? "every layer's attention block"
-            : fmt::format("layers 0, {0}, 2*{0}, ...", p.checkpointing.every));
+        : p.checkpointing.per_op() ? std::string("every layer's forward, ") + kPerOpRecipe
+                                   : fmt::format("layers 0, {0}, 2*{0}, ...", p.checkpointing.every));
   }
   if (offloads_optimizer(p.offload)) {
     out += fmt::format(

@@ -1,5 +1,7 @@
 #include "plan/planner.h"
 
+#include "config/lever_support.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -190,6 +192,7 @@ PlanResult fitting_plans(const PlanRequest& r) {
               spec.tensor_parallel = tensor;
               spec.stage = -1;
               spec.every_stage = false;
+              if (!levers_combine(spec, model, spec.world)) continue;  // train would refuse it
               candidates.push_back(spec);
             }
             }

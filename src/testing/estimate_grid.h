@@ -89,7 +89,8 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
                 {2, 32, 1, "bf16", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down", "none", "nf4"},
                 {1, 16, 1, "bf16-mixed", "flash", "adamw", "none", "full", "none", "dense", "chunked:6"},
                 {2, 32, 1, "fp32", "flash", "sgd", "none", "full", "activations"},
-                {2, 32, 1, "fp32", "flash", "sgd", "full", "full", "activations", "dense", "chunked"}};
+                {2, 32, 1, "fp32", "flash", "sgd", "full", "full", "activations", "dense", "chunked"},
+                {2, 32, 1, "bf16-mixed", "flash", "adamw", "ops"}};
   } else if (family.label == "qwen3_moe") {
     // At most 6 GB each (fp32 weights with AdamW would hold 11.8 GB: two tests run side by side).
     variants = {{4, 32, 1, "bf16", "flash", "adamw", "none"},
@@ -105,11 +106,13 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
                 {2, 32, 1, "bf16-mixed", "math", "sgd", "none"},
                 {1, 32, 1, "bf16", "flash", "adafactor", "selective"},
                 {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=16,alpha=32,targets=q,v,o"},
-                {2, 32, 1, "fp32", "flash", "sgd", "none", "full", "none", "dense", "chunked"}};
+                {2, 32, 1, "fp32", "flash", "sgd", "none", "full", "none", "dense", "chunked"},
+                {2, 32, 1, "bf16", "flash", "sgd", "ops"}};
   } else if (family.label == "phi3") {
     variants = {{2, 32, 1, "fp32", "flash", "sgd", "none"},
                 {2, 32, 1, "bf16-mixed", "flash", "adafactor", "full"},
-                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down"}};
+                {2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "lora:r=8,targets=q,k,v,o,gate,up,down"},
+                {2, 32, 1, "bf16", "flash", "sgd", "ops"}};
   } else if (family.label == "olmo2") {
     variants = {{2, 32, 1, "bf16", "flash", "adafactor", "none"}, {1, 32, 1, "bf16-mixed", "math", "sgd", "none"}};
   }
@@ -123,9 +126,11 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
   }
   if (family.preset == "pythia-160m") {  // untied: the head a weight of its own
     variants.push_back({2, 32, 1, "fp32", "flash", "adamw", "none", "full", "activations", "dense", "chunked:40"});
+    variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adam", "ops"});  // fused q/k/v with biases: not kept
   }
   if (family.preset == "smollm-135m") {
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "freeze:embed_tokens.weight,layers.0.*"});
+    variants.push_back({2, 32, 2, "fp32", "flash", "adamw", "ops"});
   }
   std::vector<RunConfig> grid;
   for (const auto& v : variants) {
@@ -158,14 +163,19 @@ inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   std::vector<size_t> keep;
   if (family.preset == "gpt2") keep = {0, 3, 4, 8, 9, 10, 11};  // fp32 adamw; fp16-mixed momentum full; bf16 adafactor; LoRA; 8-bit; offload; nf4
   if (family.preset == "pythia-160m") keep = {1, 5, 7, 8};  // math sgd; adagrad accum 2; bf16-mixed math accum 2; offloaded activations with a chunked untied head
-  if (family.preset == "smollm-135m") keep = {2, 6, 8};  // bf16-mixed adam selective; adamw full; frozen tied embedding
+  // bf16-mixed adam selective; adamw full; frozen tied embedding; per-op checkpointing, accum 2
+  if (family.preset == "smollm-135m") keep = {2, 6, 8, 9};
   if (family.preset == "qwen2.5-0.5b") keep = {1, 2};    // bf16-mixed math sgd selective; fp16-mixed adafactor full
   if (family.preset == "mistral-7b") keep = {0};         // math sgd at seq 32: the window of 16 masks
-  if (family.label == "qwen3") keep = {0, 1, 3, 4, 6, 7, 8, 9, 10, 11};  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit; offload; nf4; chunked loss; offloaded activations; both over full checkpointing
+  // fp32 adamw; bf16-mixed math selective; LoRA; frozen; 8-bit; offload; nf4; chunked loss; offloaded
+  // activations; both over full checkpointing; per-op checkpointing under autocast
+  if (family.label == "qwen3") keep = {0, 1, 3, 4, 6, 7, 8, 9, 10, 11, 12};
   if (family.label == "qwen3_moe") keep = {1, 2, 3};     // bf16-mixed (fp32 weights); bf16 math full, accum 2; LoRA
   if (family.label == "qwen3_moe_128_experts") keep = {0};  // all 128 experts, bf16
   if (family.label == "mixtral") keep = {0};             // bf16 sgd, windowed
-  if (family.label == "gemma3") keep = {0, 1, 3, 4};     // fp32 adamw; bf16-mixed math; LoRA; chunked loss at 262,144 tokens
+  // fp32 adamw; bf16-mixed math; LoRA; chunked loss at 262,144 tokens; per-op checkpointing, a windowed
+  // layer's attention not kept
+  if (family.label == "gemma3") keep = {0, 1, 3, 4, 5};
   if (family.label == "phi3") keep = {1, 2};             // bf16-mixed full checkpointing, windowed; LoRA fused
   if (family.label == "olmo2") keep = {0};               // bf16 adafactor
   const std::vector<RunConfig> grid = accuracy_grid(family);

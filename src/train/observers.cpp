@@ -57,10 +57,8 @@ class CheckpointObserver final : public StepObserver {
       // all of them are in place.
       save_checkpoint(dir_, info, sliced ? run.replicas->checkpoint_weights() : run.parameters(),
                       run.optimizer->state(), CheckpointShard{run.rank(), run.ranks()});
-      run.comm->barrier();
-      if (run.rank() == 0) {
-        write_shard_manifest(dir_, {run.ranks(), shard_level_name(run.config.shard), step, run.layout()});
-      }
+      if (run.comm) run.comm->barrier();  // (bf16-params alone has no other rank)
+      if (run.rank() == 0) write_shard_manifest(dir_, {run.ranks(), shard_level_name(run.shard()), step, run.layout()});
     } else if (run.rank() == 0) {
       // Every rank holds the same state: rank 0 writes it, resumable by any world size.
       save_checkpoint(dir_, info, run.parameters(), run.optimizer->state());

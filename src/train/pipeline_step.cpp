@@ -23,8 +23,10 @@ at::TensorOptions activation_options(const Run& run) {
   return at::TensorOptions().dtype(run.model->parameters().front().tensor.scalar_type()).device(run.device);
 }
 
+// Sequence parallel: each tensor-parallel share sends its part of the tokens.
 std::vector<int64_t> activation_shape(const Run& run, const at::Tensor& tokens) {
-  return {tokens.size(0), tokens.size(1), run.model_config.hidden_size};
+  const TensorSlice& tp = run.model->tensor_slice();
+  return {tokens.size(0), tokens.size(1) / (tp.splits_sequence() ? tp.ranks : 1), run.model_config.hidden_size};
 }
 
 // This stage's forward of micro-batch `b`: its output, or on the last stage its loss.

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 
+#include "config/lever_support.h"
 #include "data/token_file.h"
 #include "estimate/pipeline_cut.h"
 #include "device/cuda_adapter.h"
@@ -210,7 +211,7 @@ void place_ranks(Run& run, const RunConfig& cfg) {
   for (int s = 0; s < p; ++s) pipeline_ranks.push_back(rank_of(s, index, share));
   if (t > 1) {
     run.tensor_comm = group(tensor_ranks, fmt::format("tensor_{}_{}", stage, index));
-    run.tensor = std::make_unique<TensorParallelGroup>(*run.tensor_comm);
+    run.tensor = std::make_unique<TensorParallelGroup>(*run.tensor_comm, cfg.sequence_parallel);
     if (const std::string note = kv_replication_note(run.model_config, t); !note.empty() && !cfg.quiet && r == 0) {
       fmt::print(stderr, "headroom train: --tensor-parallel {}: {}\n", t, note);
     }
@@ -292,13 +293,17 @@ Communicator* data_parallel_ranks(const Run& run) {
   return run.model_parallel() ? run.data_comm.get() : run.comm.get();
 }
 
-// The model's weights; under --shard full the rank's slices of them, which it keeps as the model is
-// built, so that no more than one parameter is ever whole (returned; empty otherwise).
+// The model's weights; under --shard full (and bf16-params, alone too, unless a checkpoint fills the
+// model whole first) the rank's slices of them, which it keeps as the model is built, so that no
+// more than one parameter is ever whole (returned; empty otherwise).
 std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarType dtype) {
   std::vector<at::Tensor> slices;
   CausalLM::KeepParameter keep;
-  if (Communicator* data = data_parallel_ranks(run); data && cfg.shard == ShardLevel::full) {
-    keep = [&slices, rank = data->rank(), ranks = data->size()](const NamedTensor& p) {
+  const Communicator* data = data_parallel_ranks(run);
+  const bool sliced = (data && cfg.shard == ShardLevel::full) ||
+                      (cfg.precision == Precision::bf16_params && cfg.weights.empty() && cfg.adapter.empty());
+  if (sliced) {
+    keep = [&slices, rank = data ? data->rank() : 0, ranks = data ? data->size() : 1](const NamedTensor& p) {
       slices.push_back(DataParallel::weight_slice(p.tensor, rank, ranks));
     };
   }
@@ -313,13 +318,23 @@ std::vector<at::Tensor> build_model(Run& run, const RunConfig& cfg, c10::ScalarT
 }
 
 // With ranks, what the step shares with them (taking the weight slices); then the optimizer, over
-// this rank's parameters.
+// this rank's parameters. bf16-params is FSDP2's policy: fully sharded over the data-parallel ranks,
+// or over a group of one.
 void build_optimizer(Run& run, const RunConfig& cfg, std::vector<at::Tensor> slices) {
   OptimizerOptions options;
   options.weight_decay = cfg.weight_decay_value();
-  if (Communicator* data = data_parallel_ranks(run)) {
-    run.replicas = std::make_unique<DataParallel>(*data, run.model->parameters(), cfg.shard,
-                                                  run.model->parameter_units(), std::move(slices));
+  Communicator* data = data_parallel_ranks(run);
+  const bool fsdp = cfg.precision == Precision::bf16_params;
+  if (!data && fsdp) {
+    run.alone = std::make_unique<Communicator>(run.device);
+    data = run.alone.get();
+  }
+  if (data) {
+    FullSharding full;
+    if (fsdp) full.compute = compute_dtype(cfg.precision);
+    full.reshard_after_forward = cfg.reshard_after_forward;
+    run.replicas = std::make_unique<DataParallel>(*data, run.model->parameters(), fsdp ? ShardLevel::full : cfg.shard,
+                                                  run.model->parameter_units(), std::move(slices), full);
     DataParallel* replicas = run.replicas.get();
     run.forward.gate = replicas->gate();
     options.sharding = replicas->optimizer_sharding();
@@ -411,6 +426,8 @@ MadeRun make_run(const RunConfig& cfg) {
   }
   load_model_config_and_data(*run, cfg);
   if (cfg.pipeline.stages > 1 || cfg.tensor_parallel > 1) place_ranks(*run, cfg);
+  const Communicator* data = data_parallel_ranks(*run);
+  check_lever_support(cfg, run->model_config, data ? data->size() : 1);
   check_weights_options(cfg, *run);
 
   const c10::ScalarType dtype = parameter_dtype(cfg.precision);

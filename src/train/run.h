@@ -45,6 +45,9 @@ struct Run {
   std::unique_ptr<MemoryProbe> probe;  // first: on cpu it installs the counting allocator
   // Under torchrun with more than one rank: the job's collectives, and what the step does with them.
   std::unique_ptr<Communicator> comm;
+  // --precision bf16-params on one process (or one data-parallel rank of a stage or share): FSDP2's
+  // policy through a group of one (the replicas' communicator then).
+  std::unique_ptr<Communicator> alone;
   ModelConfig model_config;
   std::optional<TextDataset> data;
   std::unique_ptr<CausalLM> model;
@@ -79,6 +82,8 @@ struct Run {
   std::string layout() const;
   int rank() const { return comm ? comm->rank() : 0; }
   int ranks() const { return comm ? comm->size() : 1; }
+  // The shard level the step runs at: --shard's, or full for bf16-params (FSDP2's policy, alone too).
+  ShardLevel shard() const { return replicas ? replicas->level() : config.shard; }
   // The data-parallel ranks, which split the global batch's rows (a pipeline's stages do not).
   int data_rank() const { return replicas ? replicas->comm().rank() : 0; }
   int data_ranks() const { return replicas ? replicas->comm().size() : 1; }

@@ -176,7 +176,7 @@ CheckpointInfo load_for_resume(Run& run) {
   const RunConfig& cfg = run.config;
   const std::optional<ShardManifest> manifest = read_shard_manifest(cfg.resume);
   const bool sharded = run.replicas && run.replicas->sharded();
-  const char* level = shard_level_name(cfg.shard);
+  const char* level = shard_level_name(run.shard());
   // Split over ranks, each rank's file holds only its stage's or share's state: the same layout
   // resumes it, rank by rank.
   if ((run.model_parallel() || (manifest && !manifest->layout.empty())) &&
