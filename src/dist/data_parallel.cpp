@@ -288,12 +288,13 @@ void DataParallel::gather(int unit) {
     // backward's saved references to the parameter must not see a modification.
     at::Tensor flat = untracked_flat(params_[i].tensor);
     const Tagged buffers(*this, AllocationTag::communication);
-    // bf16-params: the slice cast to the parameter's dtype, then gathered.
-    at::Tensor input = weight_slices_[i].scalar_type() == flat.scalar_type() ? weight_slices_[i]
-                                                                             : weight_slices_[i].to(flat.scalar_type());
+    // In the parameter's dtype (bf16-params: the float32 slice cast), padded to a whole chunk.
+    at::Tensor input = weight_slices_[i];
     if (s.length != s.chunk) {
       input = at::zeros({s.chunk}, flat.options());
       input.narrow(0, 0, s.length).copy_(weight_slices_[i]);
+    } else if (input.scalar_type() != flat.scalar_type()) {
+      input = input.to(flat.scalar_type());
     }
     allgather_into(flat, input, s);
     issued_.push_back({true, i});

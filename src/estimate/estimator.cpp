@@ -118,6 +118,11 @@ std::string Estimate::table() const {
                        i.formula);
   }
   out += fmt::format("{:<26} {:>11} {:>6}  in {}\n", "peak", format_bytes(peak_bytes), "100%", phase_name(peak_phase));
+  if (peak_phase == Phase::idle) {
+    out += fmt::format("{:<26} {:>11} {:>6}  the peak above is while the model is built (its weights drawn), before "
+                       "the first step, which train's metrics do not count\n",
+                       "a step's own peak", format_bytes(step_peak()), "");
+  }
   for (const auto& i : host_items) {
     out += fmt::format("{:<26} {:>11} {:>6}  {}\n", i.name, format_bytes(i.bytes), "host", i.formula);
   }

@@ -123,16 +123,23 @@ void LayerReplay::construct_model() {
       if (!weight.empty()) Ref copy = mem_.allocate(shapes_->nf4_weight(weight)->numel() * 4, init);
       continue;
     }
-    Ref copy = mem_.allocate(numel * 4, init);
-    // Tensor parallel: the share is cut from the whole draw (a copy) before it is copied in.
     const auto held = params_.find(name);
-    if (held != params_.end() && held->second.t.numel != numel) Ref cut = mem_.allocate(held->second.t.numel * 4, init);
-    if (gate_ && held != params_.end() && !loaded) {
-      // Full sharding: the parameter holds memory (in the dtype it is built in) while it takes its
-      // draw and its slice is kept, then lets it go.
+    const bool whole = held != params_.end() && held->second.t.numel == numel;
+    // Full sharding: the parameter holds memory (in the dtype it is built in) while it takes its
+    // draw and its slice is kept, then lets it go.
+    auto keep = [&] {
       Ref restored = mem_.allocate(held->second.t.numel * built, init);
       gate_->keep_slice(name);
+    };
+    // A float32 parameter held whole on the cpu is drawn in place; any other in a float32 draw
+    // (tensor parallel: the share cut from it, a copy) copied in.
+    if (whole && !s_.cuda && built == 4) {
+      if (gate_) keep();
+      continue;
     }
+    Ref copy = mem_.allocate(numel * 4, init);
+    if (held != params_.end() && !whole) Ref cut = mem_.allocate(held->second.t.numel * 4, init);
+    if (gate_ && held != params_.end()) keep();
   }
   // --weights: then the checkpoint's tensors, read one at a time in their file's dtype.
   const int read = mem_.label("checkpoint tensors", Category::temporaries, "--weights: one tensor at a time, as stored");

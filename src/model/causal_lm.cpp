@@ -21,12 +21,11 @@ namespace headroom {
 
 namespace {
 
-// A parameter's initial value as Hugging Face draws it, on the CPU: norm weights one (gemma's, used as
-// 1 + w: zero), biases zero,
-// the rest normal(0, std_dev), the residual projections normal(0, proj_std).
-at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double std_dev, double proj_std,
-                         double norm_weight, const at::Generator& gen) {
-  at::Tensor cpu = at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
+// A parameter's initial value as Hugging Face draws it, into `out` (float32, on the CPU): norm weights
+// one (gemma's, used as 1 + w: zero), biases zero, the rest normal(0, std_dev), the residual
+// projections normal(0, proj_std).
+void draw_initial(at::Tensor& out, const std::string& name, double std_dev, double proj_std, double norm_weight,
+                  const at::Generator& gen) {
   const bool is_norm = name.find("norm.") != std::string::npos;
   const bool is_bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
   const bool is_residual_proj =
@@ -35,17 +34,25 @@ at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double 
   const bool lora_b = name.find(".lora_B.") != std::string::npos;
   if (lora_a) {
     // peft: kaiming_uniform_(a=sqrt(5)), a bound of 1/sqrt(fan_in)
-    const double bound = 1.0 / std::sqrt(static_cast<double>(sizes[1]));
-    cpu.uniform_(-bound, bound, gen);
-  } else if (lora_b) cpu.zero_();
-  else if (is_norm && !is_bias) cpu.fill_(norm_weight);
-  else if (is_bias) cpu.zero_();
-  else cpu.normal_(0.0, is_residual_proj ? proj_std : std_dev, gen);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(out.size(1)));
+    out.uniform_(-bound, bound, gen);
+  } else if (lora_b) out.zero_();
+  else if (is_norm && !is_bias) out.fill_(norm_weight);
+  else if (is_bias) out.zero_();
+  else out.normal_(0.0, is_residual_proj ? proj_std : std_dev, gen);
+}
+
+// The same drawn into a new float32 CPU tensor of `sizes`.
+at::Tensor initial_value(const std::string& name, at::IntArrayRef sizes, double std_dev, double proj_std,
+                         double norm_weight, const at::Generator& gen) {
+  at::Tensor cpu = at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
+  draw_initial(cpu, name, std_dev, proj_std, norm_weight, gen);
   return cpu;
 }
 
-// Initialise each parameter on the CPU from one generator, in registration order, then copy; with
-// `keep`, each parameter holds memory only while it is initialised and kept.
+// Initialise each parameter on the CPU from one generator, in registration order, then copy (a float32
+// CPU parameter held whole is drawn in place); with `keep`, each parameter holds memory only while it
+// is initialised and kept.
 // `quantise`: called instead of a copy for an NF4 weight's codes, with the weight's name and its
 // dense draw (`dense_sizes` gives its shape); its absmax draws nothing. A tensor-parallel share (`cuts`)
 // is drawn whole and cut, so that the ranks' shares are the whole model's of the same seed.
@@ -67,8 +74,18 @@ void initialise(std::vector<NamedTensor>& params, const ModelConfig& c, uint64_t
       continue;
     }
     const auto cut = cuts.find(name);
+    const double norm_weight = c.norm_plus_one ? 0.0 : 1.0;
+    if (cut == cuts.end() && t.device().is_cpu() && t.scalar_type() == at::kFloat) {
+      // A float32 parameter held whole on the CPU: drawn where it lives, with no copy beside it.
+      if (keep) restore_storage(t);
+      draw_initial(t, name, std_dev, proj_std, norm_weight, gen);
+      if (!keep) continue;
+      keep({name, t});
+      release_storage(t);
+      continue;
+    }
     at::Tensor cpu = initial_value(name, cut != cuts.end() ? at::IntArrayRef(cut->second.whole) : t.sizes(), std_dev,
-                                   proj_std, c.norm_plus_one ? 0.0 : 1.0, gen);
+                                   proj_std, norm_weight, gen);
     if (t.is_meta()) continue;  // another pipeline stage's: drawn only to keep the order
     if (cut != cuts.end()) cpu = cut->second.take(cpu);
     if (!keep) {

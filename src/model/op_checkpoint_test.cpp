@@ -13,11 +13,14 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "config/run_config.h"
+#include "estimate/estimator.h"
 #include "device/autocast_adapter.h"
 #include "memory/budget_allocator.h"
 #include "model/causal_lm.h"
 #include "train/precision.h"
 #include "train/step_ops.h"
+#include "train/trainer.h"
 
 namespace headroom {
 namespace {
@@ -121,6 +124,41 @@ TEST(OpCheckpoint, ALayerKeepsEverySecondMatmulAndAttention) {
   EXPECT_EQ(ops, layer_weights + input + rng + kept);
   EXPECT_EQ(layer_bytes(CheckpointPolicy::full()), layer_weights + input + rng);
   EXPECT_GT(layer_bytes(CheckpointPolicy::none()), ops);
+}
+
+// A training step with per-op checkpointing, as `headroom train` runs it (SmolLM-135M's widths, 6
+// layers, 4 x 256 tokens, float32 AdamW, where the layers' activations outweigh the head's): its
+// measured peak strictly between no checkpointing's and
+// full checkpointing's, the same losses as without, and its estimate within 0.1% of the measured
+// step (the accuracy grid holds more families and precisions to 1%).
+TEST(OpCheckpoint, AStepPeaksBetweenFullAndNoCheckpointingAsEstimated) {
+  auto run = [](const char* checkpointing) {
+    RunConfig cfg;
+    cfg.model = "smollm-135m";
+    cfg.overrides = {"num_hidden_layers=6"};
+    cfg.batch = 4;
+    cfg.seq = 256;
+    cfg.steps = 2;
+    cfg.eval_rows = 0;
+    cfg.quiet = true;
+    cfg.device = "cpu";
+    cfg.checkpointing = parse_checkpoint_policy(checkpointing);
+    const TrainResult r = train(cfg);
+    EXPECT_EQ(r.steps.size(), 2u);
+    const Estimate e = estimate(load_model_config(cfg.model, cfg.overrides), train_spec(cfg));
+    EXPECT_NEAR(static_cast<double>(e.step_peak()), static_cast<double>(r.steps.back().peak_bytes),
+                1e-3 * static_cast<double>(r.steps.back().peak_bytes))
+        << checkpointing;
+    return std::pair{r.steps.back().peak_bytes, r.steps.back().loss};
+  };
+  const auto [none, none_loss] = run("none");
+  const auto [ops, ops_loss] = run("ops");
+  const auto [full, full_loss] = run("full");
+  EXPECT_LT(ops, none);
+  EXPECT_GT(ops, full);
+  EXPECT_EQ(ops_loss, none_loss);
+  std::printf("  step peaks: none %lld, ops %lld, full %lld\n", static_cast<long long>(none),
+              static_cast<long long>(ops), static_cast<long long>(full));
 }
 
 }  // namespace

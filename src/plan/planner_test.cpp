@@ -172,9 +172,10 @@ TEST(Planner, ShardsTheWeightsOnlyWhenNothingLessFits) {
   r.budget = gradients * 11 / 10;
   PlanResult roomy = fitting_plans(r);
   rank_plans(roomy, r, CostModel::flops_only());
+  // At the base's precision (bf16-params, FSDP2's, is a precision of --shard full alone).
   auto first = [&](ShardLevel level) {
     for (size_t i = 0; i < roomy.plans.size(); ++i) {
-      if (roomy.plans[i].shard == level) return i;
+      if (roomy.plans[i].shard == level && roomy.plans[i].precision != Precision::bf16_params) return i;
     }
     return roomy.plans.size();
   };
@@ -225,7 +226,9 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
                                                              p.checkpointing, p.attention, p.loss.chunked);
     EXPECT_DOUBLE_EQ(p.terms.compute, work * static_cast<double>(most) / static_cast<double>(model.num_layers) /
                                           static_cast<double>(p.tensor_parallel));
-    const double transfer = static_cast<double>(p.batch * base.seq * model.hidden_size * 4) / 5e9 + 50e-6;
+    // Activations cross in the dtype the model computes with (bf16-params: bf16).
+    const int64_t elem = p.precision == Precision::bf16_params ? 2 : 4;
+    const double transfer = static_cast<double>(p.batch * base.seq * model.hidden_size * elem) / 5e9 + 50e-6;
     EXPECT_NEAR(p.terms.pipeline_transfers, p.pipeline.stages == 1 ? 0.0 : 2 * (m + stages - 2) * transfer, 1e-12);
     if (p.shard == ShardLevel::full) fully_sharded.insert({p.pipeline.stages, p.tensor_parallel});
   }
@@ -272,6 +275,36 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
 
 // The planner's shortcut (only the first of the middle stages alike in layers) finds the same worst
 // stage as replaying all: Llama-3.2-1B's 16 layers in 2, 4, 8 and 16 stages.
+// The levers of the runs launched at scale are planned among the others: FSDP2's bf16 parameters
+// (alone, or at --shard full over 2 ranks, never at another shard level: train refuses it) and
+// per-op checkpointing, each plan's peak its own estimate.
+TEST(Planner, RanksFsdpPrecisionAndPerOpCheckpointingAmongTheLevers) {
+  RunConfig base = small_llama();
+  base.world_size = 2;
+  PlanRequest r;
+  r.base = base;
+  r.global_batch = 8;
+  r.margin = 0;
+  r.budget = int64_t{1} << 40;
+  const PlanResult all = fitting_plans(r);
+  const ModelConfig model = load_model_config(base.model, base.overrides);
+  std::set<std::string> seen;
+  for (const Plan& p : all.plans) {
+    if (p.precision == Precision::bf16_params) {
+      seen.insert("bf16-params at " + std::string(shard_level_name(p.shard)));
+      EXPECT_TRUE(p.shard == ShardLevel::full || p.world == 1) << p.describe();
+    }
+    if (p.checkpointing.per_op()) seen.insert("ops");
+    if (p.precision != Precision::bf16_params && !p.checkpointing.per_op()) continue;
+    TrainSpec spec = train_spec(base);
+    spec.step() = p.step();
+    spec.world = p.world;
+    EXPECT_EQ(estimate(model, spec).peak_bytes, p.predicted_peak_bytes) << p.describe();
+  }
+  EXPECT_TRUE(seen.count("ops"));
+  EXPECT_TRUE(seen.count("bf16-params at full"));
+}
+
 TEST(Planner, TheStageShortcutFindsTheWorstStage) {
   const ModelConfig model = load_model_config("llama-3.2-1b", {});
   for (int64_t stages : {2, 4, 8, 16}) {
