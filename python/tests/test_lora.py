@@ -143,3 +143,60 @@ def test_the_any_model_estimate_of_a_peft_model_matches_its_measured_step():
         p.requires_grad_(True)
     whole = headroom.estimate(model, inputs, optimizer="adamw")
     assert predicted["peak_bytes"] < whole["peak_bytes"] - 2 * 4 * 38_000_000
+
+
+def _phases_of_a_plain_loop(model, config, optimizer, batch, seq, start):
+    """Each phase's peak bytes above `start` in the second of two plain training steps, from a Monitor."""
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    mon = headroom.Monitor("cpu", model=model, optimizer=optimizer, python_frames=False)
+    for _ in range(2):
+        with mon.phase("forward"):
+            loss = model(input_ids=ids, labels=ids).loss
+        with mon.phase("backward"):
+            loss.backward()
+        with mon.phase("optimizer"):
+            optimizer.step()
+        with mon.phase("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
+        loss = None
+        record = mon.end_step()
+    return {p: record["phases"][p]["peak"] - start for p in ("forward", "backward", "optimizer")}
+
+
+@pytest.mark.parametrize("tied,finetune", [(True, "lora"), (False, "lora"), (True, "freeze")],
+                         ids=["tied-lora", "untied-lora", "tied-frozen-embedding"])
+def test_the_estimate_of_a_fine_tune_is_peft_and_transformers_measured_step(tied, finetune):
+    """Llama-3.2-1B's widths and vocabulary (2 layers, 1 x 128 tokens, fp32), tied and untied: peft's
+    LoRA on q and v (AdamW over the adapters), or transformers' model with its embedding frozen (SGD),
+    measured in a plain loop by the counting allocator; headroom's estimate of the same config and
+    --finetune, each phase within 1%."""
+    import gc
+    with open(preset_path("llama-3.2-1b")) as f:
+        fields = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    fields.update(num_hidden_layers=2, tie_word_embeddings=tied)
+    config = transformers.LlamaConfig(**fields)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    setting = "lora:r=16,alpha=8,targets=q,v" if finetune == "lora" else "freeze:embed_tokens.weight"
+    optimizer = "adamw" if finetune == "lora" else "sgd"
+    predicted = headroom.estimate(config, batch=1, seq=128, precision="fp32", optimizer=optimizer, attention="flash",
+                                  finetune=setting)
+    gc.collect()
+    start = headroom._core.cpu_live_bytes()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if finetune == "lora":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    else:
+        model.model.embed_tokens.weight.requires_grad_(False)  # the head too, when tied
+    model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4) if finetune == "lora" else torch.optim.SGD(trained, lr=1e-4)
+    measured = _phases_of_a_plain_loop(model, config, opt, 1, 128, start)
+    for phase, bytes_ in measured.items():
+        error = (predicted["phases"][phase] - bytes_) / bytes_
+        print(f"\n{'tied' if tied else 'untied'} {finetune:>6} {phase:>9}: estimate {predicted['phases'][phase]:>14,}  "
+              f"measured {bytes_:>14,}  error {100 * error:+.3f}%", end="")
+        assert abs(error) <= 0.01, (phase, predicted["phases"][phase], bytes_)
+    # And what estimate prints as the run's peak is that step's (the model's construction is below it).
+    assert predicted["peak_bytes"] == max(predicted["phases"].values())

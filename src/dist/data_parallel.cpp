@@ -63,7 +63,9 @@ DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& p
     return;
   }
   const c10::NoGradGuard no_grad;
-  shard_grads_ = at::zeros({offset}, params_.front().tensor.options().requires_grad(false));
+  grad_options_ = params_.front().tensor.options().requires_grad(false);
+  // full: each slice's gradient made by its first reduction, dropped by zero_grad (as FSDP2's are).
+  if (level_ != ShardLevel::full) shard_grads_ = at::zeros({offset}, grad_options_);
   for (size_t i = 0; i < params_.size(); ++i) {
     const Slice& s = slices_[i];
     at::Tensor view;
@@ -82,7 +84,7 @@ DataParallel::DataParallel(Communicator& comm, const std::vector<NamedTensor>& p
       if (full_.compute) become_shell(params_[i].tensor, *full_.compute);
     }
     if (s.length == 0) continue;
-    view.mutable_grad() = shard_grads_.narrow(0, s.buffer_offset, s.length);
+    if (level_ != ShardLevel::full) view.mutable_grad() = shard_grads_.narrow(0, s.buffer_offset, s.length);
     optimizer_params_.push_back({params_[i].name, view});
   }
   if (level_ == ShardLevel::full) {
@@ -154,8 +156,8 @@ void DataParallel::reduce_parameter(size_t i, bool zeros) {
   const at::Tensor& param = params_[i].tensor;
   at::Tensor grad = zeros ? at::Tensor() : param.grad();
   if (comm_.size() == 1) {
-    // Alone (bf16-params on one process): the gradient added into the shard, cast as it is read.
-    if (grad.defined()) shard_grads_.narrow(0, s.buffer_offset, s.numel).add_(grad.reshape(-1));
+    // Alone (bf16-params on one process): the gradient is the slice's, in its dtype (cast).
+    if (grad.defined()) accumulate_shard(i, grad.reshape(-1));
     if (reduces_in_backward()) ++next_;
     if (level_ == ShardLevel::full) issued_.push_back({false, i});
     if (!zeros) param.mutable_grad().reset();
@@ -164,21 +166,46 @@ void DataParallel::reduce_parameter(size_t i, bool zeros) {
   const int64_t padded = s.chunk * comm_.size();
   at::Tensor input;
   // bf16-params: a bfloat16 gradient is reduced in the shard's float32 (cast in the copy).
-  if (grad.defined() && grad.is_contiguous() && padded == s.numel && grad.scalar_type() == shard_grads_.scalar_type()) {
+  if (grad.defined() && grad.is_contiguous() && padded == s.numel && grad.scalar_type() == grad_options_.dtype()) {
     input = grad.view(-1);
   } else {
-    input = at::zeros({padded}, shard_grads_.options());
+    input = at::zeros({padded}, grad_options_);
     if (grad.defined()) input.narrow(0, 0, s.numel).copy_(grad.reshape(-1));
     // Copied: the gradient goes before the collective's own buffers come (as FSDP2 frees it).
     grad.reset();
     if (!zeros) param.mutable_grad().reset();
   }
-  at::Tensor output = at::empty({s.chunk}, shard_grads_.options());
+  // full: the first reduction's output becomes the slice's gradient — not a collective's buffer.
+  const bool kept = level_ == ShardLevel::full && s.length == s.chunk && !weight_slices_[i].grad().defined();
+  at::Tensor output;
+  {
+    const Tagged as(*this, kept ? AllocationTag::none : AllocationTag::communication);
+    output = at::empty({s.chunk}, grad_options_);
+  }
   comm_.reduce_scatter(output, input);
   if (reduces_in_backward()) ++next_;
   if (level_ == ShardLevel::full) issued_.push_back({false, i});
-  shard_grads_.narrow(0, s.buffer_offset, s.chunk).add_(output);
+  accumulate_shard(i, output);
   if (!zeros) param.mutable_grad().reset();
+}
+
+void DataParallel::accumulate_shard(size_t i, const at::Tensor& reduced) {
+  const Slice& s = slices_[i];
+  if (level_ != ShardLevel::full) {
+    shard_grads_.narrow(0, s.buffer_offset, s.chunk).add_(reduced);
+    return;
+  }
+  if (s.length == 0) return;
+  at::Tensor& grad = weight_slices_[i].mutable_grad();
+  const at::Tensor part = reduced.narrow(0, 0, s.length);
+  if (grad.defined()) {
+    grad.add_(part);
+  } else if (s.length == s.chunk && reduced.scalar_type() == grad_options_.dtype()) {
+    grad = reduced;  // the reduction's own buffer (no copy)
+  } else {
+    const Tagged as(*this, AllocationTag::none);  // a gradient, not a collective's buffer
+    grad = part.to(grad_options_.dtype(), /*non_blocking=*/false, /*copy=*/true);
+  }
 }
 
 void DataParallel::begin_micro_batch() {
@@ -437,12 +464,21 @@ void DataParallel::allgather_into(at::Tensor& flat, at::Tensor& chunk, const Sli
 
 void DataParallel::zero_grad() {
   for (const auto& p : params_) p.tensor.mutable_grad().reset();
-  if (sharded()) shard_grads_.zero_();
+  if (level_ == ShardLevel::full) {
+    for (const at::Tensor& slice : weight_slices_) slice.mutable_grad().reset();
+  } else if (sharded()) {
+    shard_grads_.zero_();
+  }
 }
 
 std::vector<at::Tensor> DataParallel::gradient_buffers() const {
   if (!sharded()) return {};
-  return {shard_grads_};
+  if (level_ != ShardLevel::full) return {shard_grads_};
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& slice : weight_slices_) {
+    if (slice.grad().defined()) out.push_back(slice.grad());
+  }
+  return out;
 }
 
 std::vector<NamedTensor> DataParallel::checkpoint_weights() const {

@@ -28,7 +28,9 @@
 //              all-gathered from the ranks' slices then, and let go after its forward (the
 //              embeddings and head stay, backward starts with the head) and once backward has
 //              accumulated all its gradients. A rank's weights are its slices and at most the
-//              embeddings, the head and one layer in full.
+//              embeddings, the head and one layer in full. Its gradient slices are made by their first
+//              reduction of a step and dropped by zero_grad (FSDP2's sharded gradients), where the
+//              other levels keep one shard buffer across steps.
 //
 // The ranks agree after every micro-batch (agree()): a rank that ran out of memory completes the
 // micro-batch's remaining collectives with zeros (abandon_backward) so that no one waits forever,
@@ -95,8 +97,8 @@ class DataParallel final : private ParameterGate {
   ParameterGate* gate() { return level_ == ShardLevel::full ? this : nullptr; }
 
   // What the optimizer updates: the parameters themselves (none), else this rank's non-empty slices,
-  // named as their parameters, whose .grad is their part of the shard buffer: 1-D views into the
-  // parameters (optimizer, gradients), the rank's own weight slices (full).
+  // named as their parameters: 1-D views into the parameters whose .grad is their part of the shard
+  // buffer (optimizer, gradients), or the rank's own weight slices, with a .grad once reduced (full).
   const std::vector<NamedTensor>& optimizer_parameters() const { return optimizer_params_; }
   // What the optimizer must know of the parameters when it updates slices (their shapes, and a sum
   // over the ranks for adafactor's per-matrix statistics); nullopt unsharded.
@@ -136,7 +138,8 @@ class DataParallel final : private ParameterGate {
   void gather_parameters();
   // The next step starts from no gradient (full gradients dropped, the shard buffer zeroed).
   void zero_grad();
-  // Memory this class holds across steps (the shard gradient buffer), for the monitor's gradients.
+  // The reduced gradients this class holds (the shard gradient buffer; at full the slices' own), for
+  // the monitor's gradients.
   std::vector<at::Tensor> gradient_buffers() const;
   // Told what this class's allocations are from then on (memory/allocation_tag.h): a collective's
   // buffers, weights gathered from the ranks' slices, none once done; for the monitor's categories.
@@ -154,6 +157,10 @@ class DataParallel final : private ParameterGate {
     int64_t buffer_offset = 0;      // its chunk in the shard gradient buffer
   };
   void reduce_parameter(size_t i, bool zeros);
+  // Parameter i's reduced chunk (`reduced`, of its chunk's elements or, alone, its own) into this
+  // rank's gradient of its slice: the shard buffer's part (optimizer, gradients), or the slice's own
+  // .grad at full — the first reduction's buffer itself when it can be, later ones added.
+  void accumulate_shard(size_t i, const at::Tensor& reduced);
   // The ranks' chunks (this one's: `chunk`, s.chunk elements) into the flattened parameter `flat`.
   void allgather_into(at::Tensor& flat, at::Tensor& chunk, const Slice& s);
   void reduce_remaining();  // gradients, full: the reductions this backward has not issued, with zeros
@@ -178,7 +185,8 @@ class DataParallel final : private ParameterGate {
   int64_t bucket_bytes_;
   std::vector<Slice> slices_;
   std::vector<NamedTensor> optimizer_params_;
-  at::Tensor shard_grads_;     // sharded: Σ chunk elements, this rank's reduced gradients
+  at::TensorOptions grad_options_;  // the reduced gradients' (the slices' dtype)
+  at::Tensor shard_grads_;  // optimizer, gradients: Σ chunk elements, this rank's reduced gradients
   std::vector<bool> ready_;    // gradients: accumulated this backward, not yet reduced
   size_t next_ = 0;            // gradients: reductions issued this backward (in the fixed order)
   bool in_backward_ = false;

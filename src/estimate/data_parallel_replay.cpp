@@ -22,13 +22,15 @@ void DataParallelReplay::prepare(const CausalLM& shapes) {
                        "gathered parameters (sharded: one parameter at a time)");
   }
   if (sharded()) {
+    shard_lbl_ = mem_.label("gradient shard", Category::gradients,
+                            fmt::format("this rank's reduced gradients: ceil(n / {}) of each parameter's n elements × "
+                                        "{} B{}",
+                                        s_.world, ew_, fully_sharded() ? ", each made by its first reduction" : ""));
     int64_t elements = 0;
     for (const auto& name : order_) elements += chunk(params_.at(name).t.numel);
-    shard_ = mem_.allocate(elements * ew_,
-                           mem_.label("gradient shard", Category::gradients,
-                                      fmt::format("this rank's reduced gradients: ceil(n / {}) of each parameter's n "
-                                                  "elements × {} B",
-                                                  s_.world, ew_)));
+    // full: none until reduced (the slices' own .grad, made by the first reduction of a step).
+    if (!fully_sharded()) shard_ = mem_.allocate(elements * ew_, shard_lbl_);
+    slice_grads_.assign(order_.size(), nullptr);
   }
   if (reduces_in_backward()) {
     for (size_t i = 0; i < order_.size(); ++i) {
@@ -82,10 +84,16 @@ void DataParallelReplay::reduce_scatter(size_t i, bool zeros) {
   const Param& prm = params_.at(order_[i]);
   const int64_t n = prm.t.numel, c = chunk(n);
   if (alone()) {
-    // Added into the float32 shard as it is (DataParallel::reduce_parameter); on cpu the addition
-    // reads the bfloat16 gradient through a float32 copy of it (TensorIterator's input promotion).
-    Ref cast = !s_.cuda && !zeros && compute_ew_ != ew_ ? mem_.allocate(n * ew_, comm_) : nullptr;
-    cast.reset();
+    // The slice's gradient (DataParallel::accumulate_shard): the first a float32 copy of the
+    // bfloat16 one; a later one added, which on cpu reads it through a float32 copy of it
+    // (TensorIterator's input promotion).
+    if (!zeros) {
+      if (!slice_grads_[i]) {
+        slice_grads_[i] = mem_.allocate(n * ew_, shard_lbl_);
+      } else if (!s_.cuda) {
+        Ref cast = mem_.allocate(n * ew_, comm_);
+      }
+    }
     if (reduces_in_backward()) ++next_;
     if (!zeros) prm.t.slot->grad.reset();
     return;
@@ -107,6 +115,11 @@ void DataParallelReplay::reduce_scatter(size_t i, bool zeros) {
     Ref copy = mem_.allocate(c * s_.world * ew_, comm_);
   }
   if (reduces_in_backward()) ++next_;
+  // full: the first reduction's buffer becomes the slice's gradient (rank 0's slice is a whole chunk).
+  if (fully_sharded() && !slice_grads_[i]) {
+    mem_.relabel(output, shard_lbl_);
+    slice_grads_[i] = output;
+  }
   if (!zeros) prm.t.slot->grad.reset();
   output.reset();
   input.reset();
@@ -163,6 +176,10 @@ void DataParallelReplay::before_update() {
       for (size_t k = order_.size(); k-- > 0;) reduce_scatter(k, false);
     }
   }
+}
+
+void DataParallelReplay::zero_grad() {
+  if (fully_sharded()) std::fill(slice_grads_.begin(), slice_grads_.end(), nullptr);
 }
 
 void DataParallelReplay::after_update() {

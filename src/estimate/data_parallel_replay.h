@@ -55,6 +55,8 @@ class DataParallelReplay final : public ShardGate {
   void before_update();
   // After the update (optimizer and gradients levels): every parameter all-gathered from the slices.
   void after_update();
+  // zero_grad: full drops its slices' gradients (the other levels zero their shard in place).
+  void zero_grad();
 
  private:
   // gradients, full: each gradient reduce-scattered during backward.
@@ -81,7 +83,9 @@ class DataParallelReplay final : public ShardGate {
   int ew_;                   // weight slice and gradient shard bytes
   int compute_ew_;           // gathered parameter and gradient bytes
   int comm_ = -1;            // label of the collectives' buffers
-  sim::Ref shard_;           // sharded: this rank's reduced gradients, one chunk per parameter
+  int shard_lbl_ = -1;
+  sim::Ref shard_;           // optimizer, gradients: this rank's reduced gradients, one chunk per parameter
+  std::vector<sim::Ref> slice_grads_;  // full: per parameter (order_), its slice's gradient once reduced
   std::vector<bool> ready_;  // gradients: accumulated this backward, not yet reduced
   size_t next_ = 0;          // gradients: reductions issued this backward (last parameter first)
   // full

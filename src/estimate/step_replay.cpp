@@ -226,6 +226,7 @@ void StepReplay::zero_grad_phase() {
   mem_.set_phase(Phase::zero_grad);
   for (auto& [name, prm] : params_)
     if (prm.t.slot) prm.t.slot->grad.reset();
+  dp_.zero_grad();
 }
 
 Estimate StepReplay::result(const CategoryBytes& at_update, size_t step_begin) const {
