@@ -33,3 +33,23 @@ def headroom_cli(*args: str) -> str:
     done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def plain_loop_phases(model, vocab_size, optimizer, batch, seq, start, steps=2):
+    """Each phase's peak bytes above `start` (live bytes before the model existed) in the last of
+    `steps` plain training steps of `model` on random ids (labels = inputs, as transformers' models
+    take them), from a Monitor: what the counting allocator measured, not the estimator."""
+    ids = torch.randint(0, vocab_size, (batch, seq))
+    mon = headroom.Monitor("cpu", model=model, optimizer=optimizer, python_frames=False)
+    for _ in range(steps):
+        with mon.phase("forward"):
+            loss = model(input_ids=ids, labels=ids).loss
+        with mon.phase("backward"):
+            loss.backward()
+        with mon.phase("optimizer"):
+            optimizer.step()
+        with mon.phase("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
+        loss = None
+        record = mon.end_step()
+    return {p: record["phases"][p]["peak"] - start for p in ("forward", "backward", "optimizer")}

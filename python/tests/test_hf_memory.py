@@ -20,7 +20,7 @@ import headroom
 import pytest
 import torch
 import transformers
-from conftest import ROOT
+from conftest import ROOT, plain_loop_phases
 
 STEPS = 2  # the second step has the optimizer's state from the start, as every later one
 # (batch, seq, checkpointing): a short step, and a longer one with transformers' gradient checkpointing
@@ -58,23 +58,11 @@ def measured_phases(model_class, config, batch, seq, checkpointing):
     if checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, config.vocab_size, (batch, seq))
-    mon = headroom.Monitor("cpu", model=model, optimizer=opt, python_frames=False)
-    for _ in range(STEPS):
-        with mon.phase("forward"):
-            loss = model(input_ids=ids, labels=ids).loss
-        with mon.phase("backward"):
-            loss.backward()
-        with mon.phase("optimizer"):
-            opt.step()
-        with mon.phase("zero_grad"):
-            opt.zero_grad(set_to_none=True)
-        loss = None
-        record = mon.end_step()
+    phases = plain_loop_phases(model, config.vocab_size, opt, batch, seq, start, steps=STEPS)
     params = sum(p.numel() for p in model.parameters())
-    del model, opt, ids, mon
+    del model, opt
     gc.collect()
-    return {p: record["phases"][p]["peak"] - start for p in PHASES}, params
+    return phases, params
 
 
 # (preset, settings) the test runs; bench/hf_memory.py runs every family with every setting.

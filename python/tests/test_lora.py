@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, plain_loop_phases  # noqa: E402
 from finetune_helpers import (BATCH, EVAL_ROWS, SEQ, held_out_loss, make_tokenizer, make_tokens,  # noqa: E402
                               run_headroom, save_base)
 
@@ -145,24 +145,6 @@ def test_the_any_model_estimate_of_a_peft_model_matches_its_measured_step():
     assert predicted["peak_bytes"] < whole["peak_bytes"] - 2 * 4 * 38_000_000
 
 
-def _phases_of_a_plain_loop(model, config, optimizer, batch, seq, start):
-    """Each phase's peak bytes above `start` in the second of two plain training steps, from a Monitor."""
-    ids = torch.randint(0, config.vocab_size, (batch, seq))
-    mon = headroom.Monitor("cpu", model=model, optimizer=optimizer, python_frames=False)
-    for _ in range(2):
-        with mon.phase("forward"):
-            loss = model(input_ids=ids, labels=ids).loss
-        with mon.phase("backward"):
-            loss.backward()
-        with mon.phase("optimizer"):
-            optimizer.step()
-        with mon.phase("zero_grad"):
-            optimizer.zero_grad(set_to_none=True)
-        loss = None
-        record = mon.end_step()
-    return {p: record["phases"][p]["peak"] - start for p in ("forward", "backward", "optimizer")}
-
-
 @pytest.mark.parametrize("tied,finetune", [(True, "lora"), (False, "lora"), (True, "freeze")],
                          ids=["tied-lora", "untied-lora", "tied-frozen-embedding"])
 def test_the_estimate_of_a_fine_tune_is_peft_and_transformers_measured_step(tied, finetune):
@@ -192,7 +174,7 @@ def test_the_estimate_of_a_fine_tune_is_peft_and_transformers_measured_step(tied
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-4) if finetune == "lora" else torch.optim.SGD(trained, lr=1e-4)
-    measured = _phases_of_a_plain_loop(model, config, opt, 1, 128, start)
+    measured = plain_loop_phases(model, config.vocab_size, opt, 1, 128, start)
     for phase, bytes_ in measured.items():
         error = (predicted["phases"][phase] - bytes_) / bytes_
         print(f"\n{'tied' if tied else 'untied'} {finetune:>6} {phase:>9}: estimate {predicted['phases'][phase]:>14,}  "

@@ -175,45 +175,6 @@ Tensor LayerReplay::project(const Tensor& x, const std::string& weight, const Pa
   return add(y, scale(u, lbl), label);
 }
 
-Tensor LayerReplay::project_out(const Tensor& x, const std::string& weight, const Param* bias, int label) {
-  // Tensor parallel: the partial product summed over the ranks (in place; sequence parallel: into
-  // this rank's part), then the bias added.
-  if (stage_.tensor.whole()) return project(x, weight, bias, label);
-  Tensor y = project(x, weight, nullptr, label);
-  if (stage_.tensor.splits_sequence()) y = scatter_sequence(y);
-  return bias == nullptr ? y : add(y, bias->t, label);
-}
-
-Tensor LayerReplay::gather_sequence(const Tensor& part) {
-  const int64_t ranks = stage_.tensor.ranks;
-  const int comm = mem_.label("tensor-parallel collectives", Category::communication,
-                              "sequence parallel on Gloo: the all-gather's flat result and the reduce-scatter's "
-                              "flat copy of its input, while each runs");
-  const int lbl = act("gathered tokens", "sequence parallel: a block's normed input all-gathered, B·T·hidden");
-  Tensor whole = make(part.numel * ranks, part.elem, lbl, part.requires_grad());
-  if (!s_.cuda) Ref flat = mem_.allocate(whole.bytes(), comm);  // Gloo gathers into its own, then copies out
-  g_->record({&whole}, {}, [this, part = meta(part), ranks, comm](const std::vector<Ref>&) {
-    Emit e = grad_to(part);
-    if (!s_.cuda) Ref copy = mem_.allocate(part.bytes() * ranks, comm);  // Gloo reduces a flat copy
-    return std::vector<Emit>{e};
-  });
-  return whole;
-}
-
-Tensor LayerReplay::scatter_sequence(const Tensor& partial) {
-  const int64_t ranks = stage_.tensor.ranks;
-  const int comm = mem_.label("tensor-parallel collectives", Category::communication, "");
-  const int lbl = act("residual stream", "block outputs and residual sums, B·T·hidden each");
-  Tensor part = make(partial.numel / ranks, partial.elem, lbl, partial.requires_grad());
-  if (!s_.cuda) Ref copy = mem_.allocate(partial.bytes(), comm);
-  g_->record({&part}, {}, [this, partial = meta(partial), comm](const std::vector<Ref>&) {
-    Emit e = grad_to(partial);
-    if (!s_.cuda) Ref flat = mem_.allocate(partial.bytes(), comm);
-    return std::vector<Emit>{e};
-  });
-  return part;
-}
-
 Tensor LayerReplay::attention_block(int64_t layer, const Tensor& input, const Rope& rope) {
   const std::string pre = fmt::format("layers.{}.attn.", layer);
   const Tensor x = enter_share(input);
@@ -313,19 +274,23 @@ Tensor LayerReplay::mlp_block(int64_t layer, const Tensor& input) {
   return dropout(d, c_.resid_dropout, res_lbl);
 }
 
-Tensor LayerReplay::checkpointed(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x) {
+Tensor LayerReplay::checkpointed(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x,
+                                 std::shared_ptr<sim::KeptOps> kept) {
   if (!x.requires_grad() || !g_->grad_mode()) return fn(x);
   const int64_t rng_bytes = s_.cuda ? kCudaRngStateBytes : kCpuRngStateBytes;
   const int lbl = act("checkpoint inputs", "each checkpointed block keeps its input and the RNG state");
   Ref rng = mem_.allocate(rng_bytes, lbl);
   g_->set_grad_mode(false);
+  kept_ = kept.get();
   Tensor y = fn(x);
+  kept_ = nullptr;
   g_->set_grad_mode(true);
   y.slot = std::make_shared<sim::GradSlot>();
   y.slot->numel = y.numel;
   y.slot->elem = y.elem;
-  // The RNG state is the node's own data, not a saved tensor (nothing offloads it).
-  g_->record({&y}, {x.buf}, [this, fn, x = meta(x), rng, rng_bytes](const std::vector<Ref>& in) {
+  // The RNG state (and per-op checkpointing's kept outputs) are the node's own data, not saved
+  // tensors (nothing offloads them).
+  g_->record({&y}, {x.buf}, [this, fn, x = meta(x), rng, rng_bytes, kept](const std::vector<Ref>& in) {
     // Recompute under grad mode (and a fresh autocast cache), then backpropagate through it.
     // The generator state to put back afterwards, and the saved one being replayed.
     Ref restore = mem_.allocate(rng_bytes, tmp_), replayed = mem_.allocate(rng_bytes, tmp_);
@@ -335,48 +300,10 @@ Tensor LayerReplay::checkpointed(const std::function<Tensor(const Tensor&)>& fn,
     auto* outer_cache = cache_;
     g_ = &inner;
     cache_ = &cache;
-    Tensor input = x;
-    input.slot = std::make_shared<sim::GradSlot>();
-    input.slot->numel = x.numel;
-    input.slot->elem = x.elem;
-    Tensor out = fn(view(input));
-    inner.backward(out, in[0]);
-    out = Tensor{};
-    cache.clear();
-    g_ = outer;
-    cache_ = outer_cache;
-    Ref grad = input.slot->grad;
-    return std::vector<Emit>{Emit{x.slot, grad}};
-  });
-  return y;
-}
-
-Tensor LayerReplay::op_checkpointed(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x) {
-  if (!x.requires_grad() || !g_->grad_mode()) return fn(x);
-  const int64_t rng_bytes = s_.cuda ? kCudaRngStateBytes : kCpuRngStateBytes;
-  const int lbl = act("checkpoint inputs", "each checkpointed block keeps its input and the RNG state");
-  Ref rng = mem_.allocate(rng_bytes, lbl);
-  auto kept = std::make_shared<sim::KeptOps>();
-  kept->cuda = s_.cuda;
-  g_->set_grad_mode(false);
-  kept_ = kept.get();
-  Tensor y = fn(x);
-  kept_ = nullptr;
-  g_->set_grad_mode(true);
-  y.slot = std::make_shared<sim::GradSlot>();
-  y.slot->numel = y.numel;
-  y.slot->elem = y.elem;
-  // The kept outputs are the node's own data (as torch's checkpoint holds them), not saved tensors.
-  g_->record({&y}, {x.buf}, [this, fn, x = meta(x), rng, rng_bytes, kept](const std::vector<Ref>& in) {
-    Ref restore = mem_.allocate(rng_bytes, tmp_), replayed = mem_.allocate(rng_bytes, tmp_);
-    sim::Graph inner(mem_);
-    sim::Graph* outer = g_;
-    std::map<const Param*, Tensor> cache;
-    auto* outer_cache = cache_;
-    g_ = &inner;
-    cache_ = &cache;
-    kept->recompute = true;
-    kept->matmuls = 0;
+    if (kept) {
+      kept->recompute = true;
+      kept->matmuls = 0;
+    }
     kept_ = kept.get();
     Tensor input = x;
     input.slot = std::make_shared<sim::GradSlot>();
@@ -393,6 +320,12 @@ Tensor LayerReplay::op_checkpointed(const std::function<Tensor(const Tensor&)>& 
     return std::vector<Emit>{Emit{x.slot, grad}};
   });
   return y;
+}
+
+Tensor LayerReplay::op_checkpointed(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x) {
+  auto kept = std::make_shared<sim::KeptOps>();
+  kept->cuda = s_.cuda;
+  return checkpointed(fn, x, std::move(kept));
 }
 
 Tensor LayerReplay::block(int64_t layer, const Tensor& x, const Rope& rope, bool selective) {

@@ -87,8 +87,10 @@ class LayerReplay : protected sim::Ops {
   sim::Tensor mlp_block(int64_t layer, const sim::Tensor& x);
   // One decoder layer; `selective`: its attention is checkpointed (the layer itself is not).
   sim::Tensor block(int64_t layer, const sim::Tensor& x, const Rope& rope, bool selective);
-  // fn(x) under activation checkpointing: run without recording, recomputed in backward.
-  sim::Tensor checkpointed(const std::function<sim::Tensor(const sim::Tensor&)>& fn, const sim::Tensor& x);
+  // fn(x) under activation checkpointing: run without recording, recomputed in backward; with
+  // `kept` (per-op checkpointing) the operators it keeps made current in both passes.
+  sim::Tensor checkpointed(const std::function<sim::Tensor(const sim::Tensor&)>& fn, const sim::Tensor& x,
+                           std::shared_ptr<sim::KeptOps> kept = nullptr);
   // fn(x) under per-op checkpointing (model/op_checkpoint.h): run without recording but for the
   // outputs the policy keeps; recomputed in backward, taking those back.
   sim::Tensor op_checkpointed(const std::function<sim::Tensor(const sim::Tensor&)>& fn, const sim::Tensor& x);

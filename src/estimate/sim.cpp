@@ -87,16 +87,7 @@ void Memory::release(int id) {
 }
 
 Tensor Graph::make(int64_t numel, int elem, int label, bool requires_grad) {
-  Tensor t;
-  t.buf = mem_.allocate(numel * elem, label);
-  t.numel = numel;
-  t.elem = elem;
-  if (requires_grad && grad_mode_) {
-    t.slot = std::make_shared<GradSlot>();
-    t.slot->numel = numel;
-    t.slot->elem = elem;
-  }
-  return t;
+  return adopt(mem_.allocate(numel * elem, label), numel, elem, requires_grad);
 }
 
 Tensor Graph::adopt(Ref buffer, int64_t numel, int elem, bool requires_grad) const {

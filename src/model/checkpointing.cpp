@@ -13,9 +13,26 @@ namespace {
 // What backward needs to redo the forward: the function, and the state it ran under.
 struct Recompute : torch::CustomClassHolder {
   std::function<at::Tensor(const at::Tensor&)> fn;
+  std::shared_ptr<CheckpointFrame> frame;
   c10::Device device{c10::kCPU};
   at::Tensor rng;
   AutocastState autocast;
+};
+
+// The frame made current while fn runs (a no-op without one).
+class Entered {
+ public:
+  Entered(CheckpointFrame* frame, bool recompute) : frame_(frame) {
+    if (frame_) frame_->enter(recompute);
+  }
+  ~Entered() {
+    if (frame_) frame_->leave();
+  }
+  Entered(const Entered&) = delete;
+  Entered& operator=(const Entered&) = delete;
+
+ private:
+  CheckpointFrame* frame_;
 };
 
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -27,6 +44,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     at::Tensor y;
     {
       c10::NoGradGuard no_grad;
+      const Entered frame(recompute->frame.get(), /*recompute=*/false);
       y = recompute->fn(x);
     }
     ctx->save_for_backward({x});
@@ -49,6 +67,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     {
       c10::AutoGradMode grad_on(true);
       AutocastScope autocast(recompute->device.type(), recompute->autocast);
+      const Entered frame(recompute->frame.get(), /*recompute=*/true);
       // A view, not the leaf itself: autocast caches casts of leaves that require grad (meant for
       // weights), which would make the branches that read the input share one low-precision copy
       // and sum their gradients in low precision.
@@ -61,12 +80,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
 }  // namespace
 
-at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
+at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x,
+                        std::shared_ptr<CheckpointFrame> frame) {
   // The parameters fn reads are not inputs of the autograd function: if x needs no gradient the
   // output would need none either and backward would never reach them. Run it plainly then.
   if (!x.requires_grad()) return fn(x);
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->fn = std::move(fn);
+  recompute->frame = std::move(frame);
   return CheckpointFunction::apply(x, recompute)[0];
 }
 

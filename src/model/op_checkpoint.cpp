@@ -1,7 +1,6 @@
 #include "model/op_checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <memory>
@@ -10,6 +9,7 @@
 #include "config/checkpoint_policy.h"
 #include "device/attention_kernel_adapter.h"
 #include "device/autocast_adapter.h"
+#include "model/checkpointing.h"
 
 namespace headroom {
 
@@ -19,32 +19,31 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // One layer's kept outputs, in the order its forward made them, and the count of its matmuls in
-// the pass running now (the forward, or the recompute).
-struct Kept : torch::CustomClassHolder {
-  std::function<at::Tensor(const at::Tensor&)> fn;
-  c10::Device device{c10::kCPU};
-  at::Tensor rng;
-  AutocastState autocast;
+// the pass running now (the forward, or the recompute): the frame checkpointed() makes current
+// while the layer runs (model/checkpointing.h).
+struct Kept final : CheckpointFrame {
+  void enter(bool recompute_pass) override;
+  void leave() override;
+
   bool recompute = false;
   int64_t matmuls = 0;
   std::vector<at::Tensor> outputs;
   std::vector<AttentionKernelOutput> attention;
   size_t next_output = 0, next_attention = 0;
+  Kept* previous = nullptr;
 };
 
 // The layer being run on this thread (the forward, or its recompute in backward), if any.
 thread_local Kept* running = nullptr;
 
-class Running {
- public:
-  explicit Running(Kept* k) : previous_(running) { running = k; }
-  ~Running() { running = previous_; }
-  Running(const Running&) = delete;
-  Running& operator=(const Running&) = delete;
+void Kept::enter(bool recompute_pass) {
+  recompute = recompute_pass;
+  matmuls = 0;
+  previous = running;
+  running = this;
+}
 
- private:
-  Kept* previous_;
-};
+void Kept::leave() { running = previous; }
 
 // The recompute's matmul: the kept product handed back; backward as mm's (x·wᵀ's two products).
 struct KeptMatmul : public torch::autograd::Function<KeptMatmul> {
@@ -83,53 +82,10 @@ struct KeptAttention : public torch::autograd::Function<KeptAttention> {
   }
 };
 
-struct OpCheckpointFunction : public torch::autograd::Function<OpCheckpointFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<Kept> kept) {
-    kept->device = x.device();
-    kept->rng = rng_state(x.device());
-    kept->autocast = autocast_state(x.device().type());
-    at::Tensor y;
-    {
-      c10::NoGradGuard no_grad;
-      const Running layer(kept.get());
-      y = kept->fn(x);
-    }
-    ctx->save_for_backward({x});
-    ctx->saved_data["kept"] = c10::IValue::make_capsule(kept);
-    return {y};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor x = ctx->get_saved_variables()[0];
-    auto kept = c10::static_intrusive_pointer_cast<Kept>(ctx->saved_data["kept"].toCapsule());
-    struct RngRestore {
-      c10::Device device;
-      at::Tensor state;
-      ~RngRestore() { set_rng_state(device, state); }
-    } restore{kept->device, rng_state(kept->device)};
-    set_rng_state(kept->device, kept->rng);
-    kept->recompute = true;
-    kept->matmuls = 0;
-    at::Tensor input = x.detach().requires_grad_(true);
-    {
-      c10::AutoGradMode grad_on(true);
-      AutocastScope autocast(kept->device.type(), kept->autocast);
-      const Running layer(kept.get());
-      // A view, not the leaf itself (see model/checkpointing.cpp: autocast caches casts of leaves).
-      at::Tensor y = kept->fn(input.view_as(input));
-      torch::autograd::backward({y}, {grads[0]});
-    }
-    return {input.grad(), at::Tensor()};
-  }
-};
-
 }  // namespace
 
 at::Tensor op_checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
-  if (!x.requires_grad()) return fn(x);
-  auto kept = c10::make_intrusive<Kept>();
-  kept->fn = std::move(fn);
-  return OpCheckpointFunction::apply(x, kept)[0];
+  return checkpointed(std::move(fn), x, std::make_shared<Kept>());
 }
 
 at::Tensor op_matmul(const at::Tensor& x, const at::Tensor& w) {
