@@ -32,6 +32,7 @@ from . import _core
 from .blocks import Blocks, CannotExpand, choose, expand, templates, with_ends
 from .step import OptimizerLike, UsageError, check_settings, make_optimizer, prepared, run_steps
 from .trace import PHASES, Event, StorageTrace
+from .world import Parallelize, ParallelizeError, World, fake_world, local
 
 STEPS = 2  # the first step makes the optimizer's state, the second finds it there
 
@@ -64,7 +65,18 @@ def _floating_dtype(t: torch.Tensor, precision: str) -> torch.dtype:
 
 
 def _map_inputs(inputs: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    return tree_map(lambda x: make(x) if isinstance(x, torch.Tensor) else x, inputs)
+    """``inputs`` with each tensor made anew; one tensor passed twice (``input_ids`` as the
+    ``labels``) stays one."""
+    made: Dict[int, torch.Tensor] = {}
+
+    def one(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in made:
+            made[id(x)] = make(x)
+        return made[id(x)]
+
+    return tree_map(one, inputs)
 
 
 class _Categories:
@@ -83,7 +95,7 @@ class _Categories:
     def forward_done(self) -> None:
         for sid in self.trace.live_ids():
             s = self.trace.storages[sid]
-            if s.phase == "forward":
+            if s.phase == "forward" and not s.op.startswith("FSDP gathered parameters"):
                 self.kind.setdefault(sid, "activations")
 
     def label(self, sid: int) -> Tuple[str, str]:
@@ -91,6 +103,8 @@ class _Categories:
         kind = self.kind.get(sid)
         if kind is None:
             kind = "weight_copies" if s.op == "weight copy" else "temporaries"
+            if s.op.startswith("FSDP gathered parameters"):
+                return f"FSDP gathered parameters: {s.op}", "weight_copies"
         if kind in ("weights", "gradients", "optimizer", "weight_copies", "logits"):
             return kind, kind
         if kind in ("buffers", "inputs"):
@@ -120,14 +134,19 @@ class _Traced(NamedTuple):
 
 
 def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks: Blocks,
-                fake: bool = True) -> _Traced:
+                fake: bool = True, world: World = None) -> _Traced:
     """The step's trace. On fake tensors, or (``fake=False``, for a model whose forward needs
-    values) on real ones: seeded random weights, the inputs' own values (zeros for meta inputs)."""
-    fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    values) on real ones: seeded random weights, the inputs' own values (zeros for meta inputs).
+    With a ``world``, one rank's step of a copy of the model the user's parallelism was applied to."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=world is not None) if fake else contextlib.nullcontext()
     generator = torch.Generator().manual_seed(0)
     trace = StorageTrace(probe_scratch=device == "cpu", cuda=device.startswith("cuda"))
     cats = _Categories(trace)
-    block_of_param = blocks.block_of_parameters()
+    if world is not None:
+        model = world.parallelized(model)
+        blocks = Blocks(model)
+        trace.stack_name = blocks.name
+    block_of_param: Dict[int, int] = {}
     setup: List[Tuple[torch.Tensor, str, int]] = []
 
     def make(t: torch.Tensor, is_param: bool) -> torch.Tensor:
@@ -144,7 +163,11 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
         setup.append((new, "weights" if is_param else "buffers", block_of_param.get(id(t), -1)))
         return new
 
-    undo = _swap_tensors(model, make)
+    if world is None:
+        block_of_param.update(blocks.block_of_parameters())
+        undo = _swap_tensors(model, make)
+    else:
+        undo = _materialized_shards(model, fake_mode, blocks, block_of_param, setup)
     gc_was = gc.isenabled()
     gc.disable()
     try:
@@ -174,6 +197,15 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
 
         def after_phase(phase: str):
             if phase == "forward":
+                if world is not None:  # FSDP's first forward may re-pad a rank's shards: the shards now
+                    for p in model.parameters():
+                        if local(p) is p:
+                            continue  # not a shard: a parameter gathered whole (the root's, kept to backward)
+                        sid = trace.storage_id(p)
+                        if sid is not None:
+                            cats.kind.setdefault(sid, "weights")
+                            trace.weight_ids.add(sid)
+                            trace.block_of.setdefault(sid, block_of_param.get(id(p), -1))
                 cats.forward_done()
             elif phase == "backward":
                 grads = [p.grad for p in params if p.grad is not None]
@@ -189,7 +221,7 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
                           "optimizer")
 
         with prepared(model, checkpointing, blocks.modules), blocks.marked(trace) if blocks.modules is not None \
-                else contextlib.nullcontext(), fake_mode, trace:
+                else contextlib.nullcontext(), fake_mode, trace, trace.resizes():
             run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, _collected(trace),
                       after_forward=after_forward, after_phase=after_phase, backward=trace.backward)
             step_end = len(trace.events)  # what is freed after the last step is not the step's
@@ -205,9 +237,25 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
     return _Traced(trace.events[:step_end], labels, owner, step_begin, trace.flops // STEPS, per_block)
 
 
-def _trace_at(blocks: Blocks, indices: List[int], fake: bool, *args) -> _Traced:
+def _materialized_shards(model, fake_mode, blocks: Blocks, block_of_param: Dict[int, int],
+                         setup: List[Tuple[torch.Tensor, str, int]]) -> Callable[[], None]:
+    """The parallelized copy's tensors made (fake) where they live, as a script's ``to_empty`` after
+    ``parallelize`` makes them: each rank's shards. Returns the undo (none: the copy is headroom's)."""
+    with fake_mode:
+        model.to_empty(device="cpu")
+    block_of_param.update(blocks.block_of_parameters())
+    seen = set()
+    for table, kind in ((model.parameters(), "weights"), (model.buffers(), "buffers")):
+        for t in table:
+            if id(t) not in seen:
+                seen.add(id(t))
+                setup.append((local(t), kind, block_of_param.get(id(t), -1)))
+    return lambda: None
+
+
+def _trace_at(blocks: Blocks, indices: List[int], fake: bool, *args, world: World = None) -> _Traced:
     with blocks.shallow(indices):
-        return _trace_step(*args, blocks, fake=fake)
+        return _trace_step(*args, blocks, fake=fake, world=world)
 
 
 def _span(indices: List[int]) -> str:
@@ -222,14 +270,14 @@ def _span(indices: List[int]) -> str:
 
 
 def _extrapolated(blocks: Blocks, kinds: List[int], shallow: List[int], check: List[int], fake: bool,
-                  args: tuple) -> _Traced:
+                  args: tuple, world: World = None) -> _Traced:
     """The full-depth trace from one of the ``shallow`` blocks (``kinds``: each block's, ends
     included), checked first: the shallow trace expanded to the ``check`` blocks must be their own
     trace, event for event."""
-    t = _trace_at(blocks, shallow, fake, *args)
+    t = _trace_at(blocks, shallow, fake, *args, world=world)
     shallow_kinds = [kinds[i] for i in shallow]
     to_check = expand(t.events, t.owner, shallow_kinds, [kinds[i] for i in check])[0]  # fails early, untraced
-    if not _same_stream(to_check, _trace_at(blocks, check, fake, *args).events):
+    if not _same_stream(to_check, _trace_at(blocks, check, fake, *args, world=world).events):
         raise CannotExpand(f"{_span(shallow)} repeated to the {len(check)} of the check are not their trace")
     events, source = expand(t.events, t.owner, shallow_kinds, kinds)
     block_flops = [t.block_flops[i] for i in templates(shallow_kinds, kinds)]
@@ -296,10 +344,28 @@ def _count(model: torch.nn.Module) -> Tuple[int, int]:
 
 def estimate_model(model: torch.nn.Module, inputs: Any, *, loss_fn=None, optimizer: OptimizerLike = "adamw",
                    precision: str = "fp32", checkpointing: str = "none", device: str = "cpu", accum: int = 1,
-                   allocator_conf: str = "", extrapolate: bool = True) -> Dict[str, Any]:
+                   allocator_conf: str = "", extrapolate: bool = True, world_size: int = 1, rank: int = 0,
+                   parallelize: Parallelize = None, mesh_shape=None, mesh_dim_names=None) -> Dict[str, Any]:
     """See :func:`headroom.estimate`. A forward that cannot run on fake tensors (it needs values:
     ``.item()``, data-dependent shapes such as a mixture of experts' routing) is traced on real
-    tensors instead, at the depth the repetition allows, and the result says so."""
+    tensors instead, at the depth the repetition allows, and the result says so.
+
+    With ``world_size`` > 1 (or a ``parallelize``): rank ``rank``'s step, ``parallelize(model, mesh)``
+    applied to a copy of the model under a fake process group of ``world_size`` ranks (see
+    :mod:`headroom.world`); ``inputs`` are that rank's micro-batch."""
+    if world_size != 1 or parallelize is not None or rank != 0 or mesh_shape is not None:
+        if parallelize is not None and not callable(parallelize):
+            raise TypeError(f"parallelize of type {type(parallelize).__name__}: accepted: a function "
+                            "(model, mesh) that applies fully_shard / parallelize_module to the model")
+        with fake_world(world_size, rank, parallelize, mesh_shape, mesh_dim_names) as world:
+            try:
+                out = _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum,
+                                      allocator_conf, extrapolate, fake=True, world=world)
+            except _NeedsValues as e:
+                raise ValueError(f"estimate(world_size={world_size}): {e}; a rank's step is traced on fake tensors "
+                                 "only: accepted: a model whose forward runs without reading values") from None
+            out["world"] = world.describe()
+            return out
     try:
         return _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum,
                                allocator_conf, extrapolate, fake=True)
@@ -323,7 +389,7 @@ def _prefixed(e: Exception, what: str) -> Exception:
 
 
 def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, allocator_conf,
-                    extrapolate, fake) -> Dict[str, Any]:
+                    extrapolate, fake, world: World = None) -> Dict[str, Any]:
     check_settings(precision, checkpointing, optimizer, accum)
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"device '{device}': accepted: cpu, cuda")
@@ -334,7 +400,7 @@ def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing,
     # two are traced, and the FLOPs scaled to all of them.
     traced_accum = min(accum, 2)
     whole = lambda: _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, traced_accum,
-                                blocks, fake=fake)
+                                blocks, fake=fake, world=world)
     note = "no repeated blocks: traced whole"
     traced_depth = blocks.depth
     try:
@@ -354,7 +420,7 @@ def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing,
                     continue
                 try:
                     t = _extrapolated(blocks, eff, shallow, check, fake, (model, inputs, loss_fn, optimizer, precision,
-                                                                          checkpointing, device, traced_accum))
+                                                                          checkpointing, device, traced_accum), world)
                 except CannotExpand as e:
                     why = str(e)
                     continue
@@ -364,7 +430,7 @@ def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing,
             if t is None:
                 t = whole()
                 note = f"{stack}: traced at full depth ({why})"
-    except UsageError:
+    except (UsageError, ParallelizeError):
         raise
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
         if not fake:

@@ -152,7 +152,8 @@ class Blocks:
                         t.register_hook(lambda g, i=i: trace.set_block(i))
                 trace.set_block(-1)
 
-            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+            # First of the block's pre-hooks: what another's does (FSDP's gather) is the block's.
+            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             handles.append(block.register_forward_hook(post, with_kwargs=True))
         try:
             yield

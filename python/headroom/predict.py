@@ -72,6 +72,10 @@ def estimate(
     finetune: str = "full",
     base_weights: str = "dense",
     offload: str = "none",
+    parallelize: Any = None,
+    rank: int = 0,
+    mesh_shape: Optional[Sequence[int]] = None,
+    mesh_dim_names: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
     """A training step's predicted peak memory per rank, without running it.
 
@@ -99,6 +103,13 @@ def estimate(
     called with (a dict, a tensor or a tuple, at the real micro-batch size) traces its own training
     step on fake tensors: see :func:`headroom.anymodel.estimate_model`. ``optimizer`` may then also
     be a callable ``params -> torch.optim.Optimizer``.
+
+    **Any model at world size**: ``estimate(model, inputs, world_size=N, parallelize=fn, rank=r,
+    mesh_shape=None, mesh_dim_names=None)`` traces rank ``r``'s step of the model after
+    ``fn(model, mesh)`` — your own ``fully_shard`` / ``parallelize_module`` / checkpoint wrapping, as
+    torchtitan's ``parallelize_llama`` — under a fake process group of N ranks; ``mesh`` is a cpu
+    DeviceMesh of ``mesh_shape`` (default ``(N,)`` named ``("dp",)``), and ``inputs`` are rank r's
+    micro-batch. The result adds ``"world"``; its bytes are that rank's.
     """
     import torch
 
@@ -108,14 +119,20 @@ def estimate(
         if inputs is None:
             raise ValueError("estimate(model, inputs): inputs are needed for a model: what it is called with "
                              "(a dict for model(**inputs), a tensor, or a tuple), at the micro-batch size")
-        if optimizer_impl != "torch" or attention != "flash" or world_size != 1 or shard != "none" or \
+        if optimizer_impl != "torch" or attention != "flash" or shard != "none" or \
                 finetune != "full" or base_weights != "dense" or offload != "none":
-            raise ValueError("estimate(model, ...): optimizer_impl, attention, world_size, shard, finetune, base_weights "
+            raise ValueError("estimate(model, ...): optimizer_impl, attention, shard, finetune, base_weights "
                              "and offload apply to a "
-                             "config; a model's own attention, torch.optim's update and which of its parameters "
-                             "require grad (a peft model's) are what its trace follows")
+                             "config; a model's own attention, torch.optim's update, which of its parameters "
+                             "require grad (a peft model's) and the parallelism parallelize= applies are what its "
+                             "trace follows")
         return estimate_model(config, inputs, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                              checkpointing=checkpointing, device=device, accum=accum)
+                              checkpointing=checkpointing, device=device, accum=accum, world_size=world_size,
+                              rank=rank, parallelize=parallelize, mesh_shape=mesh_shape,
+                              mesh_dim_names=mesh_dim_names)
+    if parallelize is not None or rank != 0 or mesh_shape is not None or mesh_dim_names is not None:
+        raise TypeError("parallelize, rank, mesh_shape and mesh_dim_names are for a torch.nn.Module (the user's "
+                        "parallelism traced); a config's layout is world_size= and shard=")
     if inputs is not None or loss_fn is not None:
         raise TypeError(f"inputs and loss_fn are for a torch.nn.Module, not a {type(config).__name__}")
     text, origin = _config_json(config)

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import kernels
+from .world import local
 
 PHASES = ("idle", "data", "forward", "backward", "optimizer", "zero_grad")
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
@@ -90,6 +91,32 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _nbytes(tensors) -> int:
+    return sum(local(t).numel() * local(t).element_size() for t in tree_flatten(tensors)[0]
+               if isinstance(t, torch.Tensor))
+
+
+def _gloo_scratch(func, args) -> int:
+    """What Gloo, the cpu collectives' backend, allocates inside a collective and frees when it is
+    done: an all-gather lands in a flat copy of its output, a reduce-scatter all-reduces a clone of
+    its input (ProcessGroupGloo.cpp). NCCL, on a card, allocates neither."""
+    name = func.__name__.split(".")[0]
+    if name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
+        return _nbytes(args[0]) if args else 0
+    if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+        return _nbytes(args[1]) if len(args) > 1 else 0
+    return 0
+
+
+def _fsdp_work(region: str) -> str:
+    """What FSDP allocates in a region: the parameters it gathers, the gradients it reduces."""
+    if "all_gather" in region or "pre_forward" in region or "pre_backward" in region or "prefetch" in region:
+        return "FSDP gathered parameters"
+    if "reduce" in region:
+        return "FSDP gradient reduction"
+    return "FSDP"
+
+
 class _Storage:
     __slots__ = ("sid", "nbytes", "owner", "op", "phase", "alive")
 
@@ -118,6 +145,10 @@ class StorageTrace(TorchDispatchMode):
         self._sum = None  # (new id, old id, weakref to the new storage, event index): an engine sum just made
         self.flops = 0  # of every operator traced (forward, backward, recompute)
         self.block_flops: Dict[int, int] = {}  # of the operators run in each block
+        # FSDP's profiler regions open now: (handle, block tag or None, what it allocates); the stack's
+        # name (``model.layers``) tells which block a region's module is.
+        self.stack_name: Optional[str] = None
+        self._regions: List[Tuple[None, Optional[int], Optional[str]]] = []
 
     # --- what the step runner tells it ---------------------------------------------------------
     def set_phase(self, phase: str) -> None:
@@ -131,7 +162,7 @@ class StorageTrace(TorchDispatchMode):
 
     def add(self, tensor: torch.Tensor, op: str, block: int = -1) -> int:
         """Records ``tensor``'s storage as allocated now (weights and inputs, before the step)."""
-        st = tensor.untyped_storage()
+        st = local(tensor).untyped_storage()
         sid = getattr(st, _ATTR, None)
         if sid is not None:
             return sid
@@ -164,7 +195,7 @@ class StorageTrace(TorchDispatchMode):
         self._finished_node = torch._C._current_autograd_node()
 
     def storage_id(self, tensor: torch.Tensor) -> Optional[int]:
-        sid = getattr(tensor.untyped_storage(), _ATTR, None)
+        sid = getattr(local(tensor).untyped_storage(), _ATTR, None)
         return sid if sid else None
 
     # --- the recording ------------------------------------------------------------------------
@@ -185,7 +216,7 @@ class StorageTrace(TorchDispatchMode):
         if s is None or not s.alive:
             return
         s.alive = False
-        tag = self.block
+        tag = self._tag(raw=True)
         if self.by_param and (self.ops_in_phase == 0 or tag == MIXED):
             # zero_grad(set_to_none) frees without any operator between them, and a foreach
             # operator's outputs belong to every block at once: each free goes with its storage's block.
@@ -225,7 +256,7 @@ class StorageTrace(TorchDispatchMode):
         tags = set()
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
-                sid = getattr(t.untyped_storage(), _ATTR, None)
+                sid = getattr(local(t).untyped_storage(), _ATTR, None)
                 if sid in self.block_of:
                     tags.add(self.block_of[sid])
         if not tags:
@@ -244,6 +275,10 @@ class StorageTrace(TorchDispatchMode):
                 out = func.redispatch(_CPU, *args, **kwargs)
         else:
             out = func(*args, **kwargs)
+        if func.namespace == "profiler":
+            self._region(func, args, out)
+        elif func.namespace == "c10d" and not self.cuda:
+            self._transient(_gloo_scratch(func, args), f"{func.__name__.split('.')[0]} (Gloo's copy)")
         if not self.by_param:
             self.ops_in_phase += 1
         formula = kernels.FLOPS.get(func.overloadpacket)
@@ -252,7 +287,7 @@ class StorageTrace(TorchDispatchMode):
             self.flops += n
             if self.block >= 0:
                 self.block_flops[self.block] = self.block_flops.get(self.block, 0) + n
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outputs = [local(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outputs:
             return out
         if self.by_param:
@@ -275,18 +310,19 @@ class StorageTrace(TorchDispatchMode):
                 setattr(st, _ATTR, 0)  # host memory: not the device's
                 continue
             if inputs is None:
-                inputs = [a.untyped_storage() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+                inputs = [local(a).untyped_storage() for a in tree_flatten((args, kwargs))[0]
+                          if isinstance(a, torch.Tensor)]
             if any(st is s for s in inputs):
                 # A view of, or a write into, a tensor made before the trace: not an allocation.
                 setattr(st, _ATTR, 0)
                 continue
-            tag = -1 if self.block == MIXED else self.block
+            tag = self._tag()
             if self.by_param and isinstance(args[0] if args else None, (list, tuple)):
                 # A foreach operator's k-th output belongs to the k-th tensor of its first list.
                 first = args[0]
                 if k < len(first) and isinstance(first[k], torch.Tensor):
-                    tag = self.block_of.get(getattr(first[k].untyped_storage(), _ATTR, None), -1)
-            op = name
+                    tag = self.block_of.get(getattr(local(first[k]).untyped_storage(), _ATTR, None), -1)
+            op = name if not self._regions or self._regions[-1][2] is None else f"{self._regions[-1][2]} ({name})"
             if name == "_to_copy" and args and isinstance(args[0], torch.Tensor) and \
                     getattr(args[0].untyped_storage(), _ATTR, None) in self.weight_ids:
                 op = "weight copy"
@@ -294,7 +330,7 @@ class StorageTrace(TorchDispatchMode):
             if self.by_param:
                 self.block_of[sid] = tag
             elif self.phase == "backward" and self._engine_sum(func, args, t):
-                old = getattr(args[0].untyped_storage(), _ATTR, None)
+                old = getattr(local(args[0]).untyped_storage(), _ATTR, None)
                 if old:
                     self._sum = (sid, old, weakref.ref(st), len(self.events) - 1)
         if self.probe_scratch and func in kernels.PROBED:
@@ -312,11 +348,70 @@ class StorageTrace(TorchDispatchMode):
             return
         sid = self._next
         self._next += 1
-        tag = -1 if self.block == MIXED else self.block
+        tag = self._tag()
         self.storages[sid] = _Storage(sid, nbytes, tag, op, self.phase)
         self.storages[sid].alive = False
         self.events.append((sid, nbytes, True, _PHASE_INDEX[self.phase], tag))
         self.events.append((sid, nbytes, False, _PHASE_INDEX[self.phase], tag))
+
+    # --- FSDP2: its regions and its storages' resizes ----------------------------------------------
+    def _tag(self, raw: bool = False) -> int:
+        """The block tag of what happens now: the block the outermost FSDP region open names (a block's gather or reshard runs in its module's hooks, outside the block's own markers;
+        the gather a block's backward prefetches for the next is that block's work), else the
+        running block."""
+        for _, tag, work in self._regions:
+            if work is not None:  # the outermost of FSDP's (the root's names no block: its prefetch is no block's)
+                if tag is not None:
+                    return tag
+                break
+        return self.block if raw else (-1 if self.block == MIXED else self.block)
+
+    def _region(self, func, args, out) -> None:
+        """FSDP names its work ``FSDP::all_gather (model.layers.3)``: a region of the block it names.
+        Regions nest (each is a ``with record_function``), so an exit closes the innermost."""
+        if func is torch.ops.profiler._record_function_enter_new.default:
+            name = str(args[0]) if args else ""
+            tag = None
+            if self.stack_name is not None and name.startswith("FSDP::") and name.endswith(")") and " (" in name:
+                fqn = name[name.rindex(" (") + 2:-1]
+                rest = fqn[len(self.stack_name) + 1:] if fqn.startswith(self.stack_name + ".") else ""
+                index = rest.split(".", 1)[0]
+                tag = int(index) if index.isdigit() else None
+            work = _fsdp_work(name) if name.startswith("FSDP::") else (self._regions[-1][2] if self._regions else None)
+            self._regions.append((None, tag, work))
+        elif func is torch.ops.profiler._record_function_exit._RecordFunction and self._regions:
+            self._regions.pop()
+
+    @contextlib.contextmanager
+    def resizes(self):
+        """Storage resizes recorded: FSDP frees a gathered parameter by resizing its storage to
+        nothing, and allocates it again by resizing it back."""
+        original = torch.UntypedStorage.resize_
+        trace = self
+
+        def resize_(st, size):
+            before = st.nbytes()
+            result = original(st, size)
+            trace._resized(st, before, int(size))
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original
+
+    def _resized(self, st, before: int, after: int) -> None:
+        if after == before or _HOST_DEPTH[0] > 0:
+            return
+        sid = getattr(st, _ATTR, None)
+        if sid == 0:
+            return  # made before the trace
+        if sid is not None:
+            self._free(sid)
+        if after > 0:
+            op = f"{self._regions[-1][2]} (resize_)" if self._regions and self._regions[-1][2] else "resize_"
+            self._allocate(st, op, self._tag(), after)
 
     # --- afterwards ---------------------------------------------------------------------------
     def live_ids(self) -> List[int]:
