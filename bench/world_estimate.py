@@ -1,8 +1,9 @@
 """One rank of Llama 3.1 8B trained as torchtitan launches it, estimated from the user's own
 parallelize function under a fake process group: transformers' LlamaForCausalLM at its real width,
 built on the meta device, FSDP2 with bf16 parameters (MixedPrecisionPolicy(bfloat16, float32)) over
-8 and 128 ranks, micro-batch 2 x 8192, with no activation checkpointing and with full (torch's
-checkpoint_wrapper around each block). Prints
+8 and 128 ranks, micro-batch 2 x 8192, with no activation checkpointing, with full (torch's
+checkpoint_wrapper around each block) and with torchtitan's per-op selective policy
+(create_selective_checkpoint_contexts: every second matmul's output and attention's saved). Prints
 each estimate's allocated and reserved peak, where it peaks, and the wall time of the trace.
 
     PYTHONPATH=build/python ~/.cache/headroom/venv/bin/python bench/world_estimate.py [RANKS ...]
@@ -10,6 +11,7 @@ each estimate's allocated and reserved peak, where it peaks, and the wall time o
 Needs `make build` (the module in build/python) and transformers in the venv; about 2 GB of memory.
 """
 import functools
+import os
 import sys
 import time
 
@@ -17,6 +19,9 @@ import torch
 import transformers
 
 import headroom
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
+from world_models import per_op_policy  # noqa: E402  (torchtitan's default policy, as the test runs it)
 
 GiB = 2 ** 30
 LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -28,11 +33,15 @@ def parallelize(model, mesh, checkpointing: str):
     """What a torchtitan-style script does to the model: checkpoint each block, then FSDP2."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     layers = model.model.layers
     for i, block in enumerate(layers):
         if checkpointing == "full":
             layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif checkpointing == "per-op":
+            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False,
+                                           context_fn=lambda: create_selective_checkpoint_contexts(per_op_policy()))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -49,7 +58,7 @@ def main():
     print("| ranks | checkpointing | allocated peak | reserved peak | peak phase | traced | wall |")
     print("| ---: | --- | ---: | ---: | --- | --- | ---: |")
     for n in ranks:
-        for ckpt in ("none", "full"):
+        for ckpt in ("none", "full", "per-op"):
             t = time.perf_counter()
             est = headroom.estimate(model, {"input_ids": ids, "labels": ids}, world_size=n, device="cuda",
                                     parallelize=functools.partial(parallelize, checkpointing=ckpt))

@@ -261,19 +261,28 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequenc
             source[new] = sid if key[0] == -1 else by_ordinal.get((template[key[0]], key[1]), sid)
         return new
 
+    def every_block(seen: set) -> set:
+        return {(o, n) for (o, n) in seen
+                if all((b, n) in seen for b in range(traced) if traced_kinds[b] == traced_kinds[o])}
+
     def emit(start: int, end: int, tmpl: Optional[int], copy: Optional[int]) -> None:
         every = set()
         if tmpl is None:
             # Outside the blocks, a storage of every traced block of a kind at once (autocast's
             # weight copies, freed together as it exits) is one of every block at the full depth.
-            seen = {(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end] if e[0] in ordinal}
-            every = {(o, n) for (o, n) in seen
-                     if all((b, n) in seen for b in range(traced) if traced_kinds[b] == traced_kinds[o])}
+            every = every_block({(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end] if e[0] in ordinal})
+        elif len(copies.get(tmpl, ())) == 1:
+            # In an end block's run, frees of the same storage of every block of a kind at once (the
+            # recomputed tensors checkpoint_wrapper's frames hold, let go as the first block's
+            # backward ends) are that storage's free in every block at the full depth.
+            freed = {(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end] if e[0] in ordinal and not e[2]}
+            every = {(o, n) for (o, n) in every_block(freed) if any(b != tmpl for b in range(traced)
+                                                                   if traced_kinds[b] == traced_kinds[o])}
         for sid, nbytes, allocated, phase, _ in events[start:end]:
             o = owner.get(sid, -1)
-            if every and sid in ordinal and (o, ordinal[sid]) in every:
+            if every and sid in ordinal and (o, ordinal[sid]) in every and (tmpl is None or not allocated):
                 for j in copies.get(o, []):
-                    out.append((instance(sid, o, j), nbytes, allocated, phase, -1))
+                    out.append((instance(sid, o, j), nbytes, allocated, phase, -1 if copy is None else copy))
                 continue
             out.append((instance(sid, tmpl, copy), nbytes, allocated, phase, -1 if copy is None else copy))
 

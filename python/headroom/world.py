@@ -50,7 +50,11 @@ class World:
         except Exception as e:  # noqa: BLE001 - the user's function's own error, said where it happened
             raise ParallelizeError(f"headroom.estimate: parallelize(model, mesh) at world size {self.size}, rank "
                                    f"{self.rank}: {type(e).__name__}: {e}") from e
-        return out if isinstance(out, torch.nn.Module) else clone
+        if out is not None and not isinstance(out, torch.nn.Module):
+            raise ParallelizeError(f"headroom.estimate: parallelize(model, mesh) returned a {type(out).__name__}: "
+                                   "accepted: the model (or None); pipeline stages and schedules "
+                                   "(torch.distributed.pipelining) are not traced: estimate each stage's module")
+        return out if out is not None else clone
 
     def describe(self) -> dict:
         return {"world_size": self.size, "rank": self.rank, "mesh": {

@@ -28,7 +28,8 @@ def _measured(name: str, ranks: int, tmp_path) -> list:
 
 
 @pytest.mark.parametrize("name,ranks", [("smollm-fsdp-bf16", 2), ("smollm-fsdp-bf16", 4),
-                                        ("smollm-untied-fsdp-fp32-keep", 2), ("smollm-fsdp2-tp2", 4)])
+                                        ("smollm-untied-fsdp-fp32-keep", 2), ("smollm-fsdp-bf16-per-op", 2),
+                                        ("smollm-fsdp2-tp2", 4)])
 def test_a_ranks_estimate_is_its_measured_peak(name, ranks, tmp_path):
     build, parallelize, settings = MODELS[name]
     measured = _measured(name, ranks, tmp_path)
@@ -97,4 +98,6 @@ def test_what_cannot_be_traced_at_world_size_is_refused_in_one_line():
         raise ValueError("no such layer")
     with pytest.raises(RuntimeError, match=r"parallelize\(model, mesh\) at world size 2, rank 0: ValueError: no such layer"):
         headroom.estimate(model, inputs, world_size=2, parallelize=broken)
+    with pytest.raises(RuntimeError, match="returned a tuple: accepted: the model .or None.; pipeline stages"):
+        headroom.estimate(model, inputs, world_size=2, parallelize=lambda m, mesh: (m, m))
     assert not dist.is_initialized()

@@ -58,6 +58,43 @@ def fsdp_tp(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return model
 
 
+def per_op_policy():
+    """A selective checkpointing policy as torchtitan's default (its description, not its code):
+    matmul outputs saved except every second one, attention's saved, everything else recomputed.
+    Made afresh for each checkpointed call, so that a call's recompute counts its matmuls as its
+    forward did."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    counts: Dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        if func is torch.ops.aten.mm.default:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if counts[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def per_op_checkpointed(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """Each block under torch's checkpoint_wrapper with the per-op policy, then FSDP2 in bf16."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    layers = model.model.layers
+    for i, block in enumerate(layers):
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False,
+                                       context_fn=lambda: create_selective_checkpoint_contexts(per_op_policy()))
+    return fsdp_bf16(model, mesh)
+
+
 def _smollm_tp() -> torch.nn.Module:
     """SmolLM's width with 8 attention heads (4 key-value heads), so that two tensor-parallel ranks
     split them evenly; transformers' attention reads the heads per rank from the projection's output."""
@@ -70,11 +107,17 @@ def _smollm_tp() -> torch.nn.Module:
 MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], Callable, dict]] = {
     "smollm-fsdp-bf16": (_smollm, fsdp_bf16, {}),
     "smollm-untied-fsdp-fp32-keep": (lambda: _smollm(tied=False), fsdp_fp32_keep, {}),
+    "smollm-fsdp-bf16-per-op": (_smollm, per_op_checkpointed, {}),
     "smollm-fsdp2-tp2": (_smollm_tp, fsdp_tp, {"mesh_shape": (2, 2), "mesh_dim_names": ("dp", "tp")}),
 }
 
 
-def inputs_for(name: str, device: torch.device, rank: int = 0, batch: int = 2) -> dict:
+# A run whose activations set its peak (at batch 2 the root's gradient reduction does).
+BATCH = {"smollm-fsdp-bf16-per-op": 8}
+
+
+def inputs_for(name: str, device: torch.device, rank: int = 0) -> dict:
+    batch = BATCH.get(name, 2)
     if device.type == "meta":
         ids = torch.zeros(batch, SEQ, dtype=torch.long, device="meta")
     else:
