@@ -27,6 +27,7 @@ struct PlanOptions {
   std::vector<std::string> allow;  // --allow: optimizer, adamw8bit, offload
   bool calibrate = true;
   int64_t top = 10;
+  bool exhaustive = false;  // --exhaustive: every candidate estimated, however many
   std::string emit;  // "hf", "lightning", "torch" or "toml": the best plan as settings to paste
   double flops = 1e12;                             // --flops-per-second
   double link = CostModel::kLinkBytesPerSecond;    // --link-bytes-per-second
@@ -77,6 +78,7 @@ PlanRequest request_of(const RunConfig& cfg, const PlanOptions& o, const std::st
   r.link_bytes_per_second = o.link;
   r.node_link_bytes_per_second = o.node_link;
   r.max_tensor_parallel = o.gpus_per_node;
+  if (!o.exhaustive) r.best_only = std::max<int64_t>(o.top, 10);
   r.allow_optimizer_change = o.allow_optimizer_change;
   for (const std::string& lever : o.allow) {
     if (lever == "optimizer") r.allow_optimizer_change = true;
@@ -171,7 +173,12 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
   cmd->add_option("--gpus-per-node", o->gpus_per_node,
                   "the most tensor-parallel ranks a plan may use: they stay inside a node (default 8)")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}));
-  cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all)")->check(CLI::Range(1, 100000));
+  cmd->add_option("--top", o->top, "plans to list (default 10; --json lists all it found)")
+      ->check(CLI::Range(1, 100000));
+  cmd->add_flag("--exhaustive", o->exhaustive,
+                "estimate every candidate, however many (default: beyond 2,000 layouts and settings, the candidates\n"
+                "are estimated in the order of a bound on their step time that no estimate lowers, until none left\n"
+                "can beat the --top fastest found: those are exact, the rest are not estimated)");
   cmd->callback([config, o, &run] {
     run = [config, o]() -> int {
       const RunConfig cfg = config();
@@ -194,8 +201,14 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
         nothing_fits(result, r, true);
       }
       if (!cfg.json) {
-        fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,
-                   format_bytes(r.budget), 100 * r.margin);
+        if (result.estimated < result.considered) {
+          fmt::print("the {} fastest plans that fit {} (less {:.0f}%) of {} considered ({} estimated; none left could "
+                     "be faster), fastest first:\n\n",
+                     result.plans.size(), format_bytes(r.budget), 100 * r.margin, result.considered, result.estimated);
+        } else {
+          fmt::print("{} plans of {} fit {} (less {:.0f}%), fastest first:\n\n", result.plans.size(), result.considered,
+                     format_bytes(r.budget), 100 * r.margin);
+        }
         const bool ranks = world_size_of(cfg) > 1;
         const bool pipelines = std::any_of(result.plans.begin(), result.plans.end(), [](const Plan& p) {
           return p.pipeline.stages > 1 || p.tensor_parallel > 1;
@@ -248,6 +261,19 @@ void add_plan_command(CLI::App& app, std::function<int()>& run) {
             fmt::print("layout: pipeline stages x tensor-parallel ranks x data-parallel ranks; peak/rank is the "
                        "largest stage's or share's.\n");
           }
+        }
+        if (n > 0) {
+          // The fastest plan as the command that trains it (on every rank, under torchrun, where ranks).
+          RunConfig run = with_plan(cfg, result.plans.front());
+          run.json = run.quiet = false;
+          run.memory_budget = r.budget;
+          const int64_t world = world_size_of(cfg);
+          const int64_t per_node = std::min(world, o->gpus_per_node);
+          fmt::print("\nTo train the fastest: {}headroom train {}\n",
+                     world > 1 ? fmt::format("torchrun --nnodes {} --nproc-per-node {} --no-python ",
+                                             (world + per_node - 1) / per_node, per_node)
+                               : "",
+                     shell_line(run_args(run, RunConfig{}, plan_keys())));
         }
         if (offloads) {
           fmt::print("\nOffloaded bytes costed at {:.1f} GB/s each way to host memory ({}).\n",

@@ -61,6 +61,13 @@ struct PlanRequest {
   // Tensor parallel: the link inside a node its sums cross, and the most ranks it may span (a node's).
   double node_link_bytes_per_second = CostModel::kNodeLinkBytesPerSecond;
   int64_t max_tensor_parallel = 8;
+  // 0: every candidate is estimated, and every plan that fits returned. N > 0: at least the N
+  // fastest plans that fit (all of them where fewer fit), each estimated exactly, found by
+  // estimating the candidates in the order of a bound on their step time that no estimate can
+  // lower, until none left can beat the N-th fastest found; the rest are not estimated.
+  int64_t best_only = 0;
+  // With best_only, a request of at most this many candidates is still estimated exhaustively.
+  int64_t exhaustive_up_to = 2000;
   // Threads the candidates' estimates run on. 1 where the caller holds a lock the estimator's
   // LibTorch calls may want on another thread (Python's GIL: the module plans on one).
   int threads = 1;
@@ -68,8 +75,9 @@ struct PlanRequest {
 
 struct PlanResult {
   std::vector<Plan> plans;  // best first
-  int64_t considered = 0;
-  int64_t smallest_peak = 0;  // over every candidate, fitting or not
+  int64_t considered = 0;      // candidates (layouts and settings) searched
+  int64_t estimated = 0;       // of them, estimated exactly (all, unless best_only)
+  int64_t smallest_peak = 0;  // over every candidate estimated, fitting or not
   std::string smallest_peak_plan;
   // The host link the offloading plans' copies were costed at (bytes per second each way) and
   // whether it was measured on this machine (or assumed: no calibration, or no plan offloads).
@@ -86,6 +94,11 @@ struct PlanResult {
 
 // Stage 1: every candidate the estimator says fits (unranked; step times not yet set).
 PlanResult fitting_plans(const PlanRequest& request);
+// Stage 1 when only the fastest matter (request.best_only > 0): the plans found by the bound-first
+// search under `cost`, their step times set (rank_plans sorts them).
+PlanResult fastest_fitting_plans(const PlanRequest& request, const CostModel& cost);
+// How many candidates (layouts and settings) the request's search space holds.
+int64_t candidate_count(const PlanRequest& request);
 // The precisions among `plans`, for calibrating the cost model.
 std::vector<Precision> precisions_of(const PlanResult& plans);
 // Stage 2: step times from `cost`, sorted fastest first (fewer micro-batches, then the smaller
@@ -93,7 +106,8 @@ std::vector<Precision> precisions_of(const PlanResult& plans);
 void rank_plans(PlanResult& plans, const PlanRequest& request, const CostModel& cost);
 
 // Both stages, with the cost model calibrated by timing real steps with `timer` for the precisions
-// that fit (null: ranked by FLOPs alone). `known_ratios` are step-time ratios to the base
+// that fit (null: ranked by FLOPs alone; with request.best_only, the precisions the request allows,
+// timed before the search). `known_ratios` are step-time ratios to the base
 // precision already measured (the doctor's lever trials): those precisions are not timed again.
 // A timing step that runs out of memory leaves the ranking to FLOPs alone. Where a plan that fits
 // offloads, `link` (may be null) measures the host link its copies cross. `progress` (may be null)

@@ -305,6 +305,55 @@ TEST(Planner, RanksFsdpPrecisionAndPerOpCheckpointingAmongTheLevers) {
   EXPECT_TRUE(seen.count("bf16-params at full"));
 }
 
+// The bound-first search (best_only) against every candidate estimated: the same fastest plan, the
+// same step times for the fastest ten, each of its plans' peaks the estimate of that layout. Real
+// widths and vocabularies (tied and untied), depth shrunk; budgets where little and where much fits.
+TEST(Planner, TheSearchFindsWhatEstimatingEveryCandidateFinds) {
+  struct Case {
+    const char* model;
+    int64_t world, global;
+    double budget_gib;
+  };
+  for (const Case& c : {Case{"gpt2", 4, 16, 2.0}, Case{"qwen3-0.6b", 8, 32, 6.0}, Case{"llama-3.2-1b", 8, 32, 40.0},
+                        Case{"qwen3-0.6b", 1, 8, 16.0}}) {
+    RunConfig base = small_llama();
+    base.model = c.model;
+    base.overrides = {std::string(c.model) == "gpt2" ? "n_layer=2" : "num_hidden_layers=2"};
+    base.seq = 512;
+    base.device = "cuda";
+    base.world_size = c.world;
+    PlanRequest r;
+    r.base = base;
+    r.global_batch = c.global;
+    r.budget = static_cast<int64_t>(c.budget_gib * (int64_t{1} << 30));
+    r.threads = 2;
+    CostModel cost = CostModel::flops_only();
+    cost.set_assumed_flops(4e14);
+    PlanResult every = fitting_plans(r);
+    rank_plans(every, r, cost);
+    r.best_only = 10;
+    r.exhaustive_up_to = 0;
+    PlanResult found = fastest_fitting_plans(r, cost);
+    rank_plans(found, r, cost);
+    const std::string name = fmt::format("{} on {} ranks, {} GiB", c.model, c.world, c.budget_gib);
+    ASSERT_FALSE(every.plans.empty()) << name;
+    ASSERT_GE(found.plans.size(), std::min<size_t>(10, every.plans.size())) << name;
+    EXPECT_EQ(found.considered, every.considered) << name;
+    EXPECT_LT(found.estimated, every.estimated) << name;
+    EXPECT_EQ(found.plans[0].describe(), every.plans[0].describe()) << name;
+    EXPECT_EQ(found.plans[0].predicted_peak_bytes, every.plans[0].predicted_peak_bytes) << name;
+    const ModelConfig model = load_model_config(base.model, base.overrides);
+    for (size_t i = 0; i < std::min<size_t>(10, every.plans.size()); ++i) {
+      EXPECT_DOUBLE_EQ(found.plans[i].predicted_step_seconds, every.plans[i].predicted_step_seconds) << name << " #" << i;
+      TrainSpec spec = train_spec(base);
+      spec.step() = found.plans[i].step();
+      spec.world = found.plans[i].world;
+      spec.pipeline.split.clear();
+      EXPECT_EQ(estimate(model, spec).peak_bytes, found.plans[i].predicted_peak_bytes) << name << " #" << i;
+    }
+  }
+}
+
 TEST(Planner, TheStageShortcutFindsTheWorstStage) {
   const ModelConfig model = load_model_config("llama-3.2-1b", {});
   for (int64_t stages : {2, 4, 8, 16}) {

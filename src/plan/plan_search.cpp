@@ -1,0 +1,230 @@
+// The planner's bound-first search (fastest_fitting_plans, plan/planner.h): candidates taken in the
+// order of a bound on their step time, each settled by its micro-batch family's estimates, until
+// none left could beat the fastest found; those are then estimated exactly.
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "plan/candidates.h"
+#include "plan/planner.h"
+
+namespace headroom {
+
+namespace {
+
+// A family: the candidates that differ only in the micro-batch (and so the accumulation). A step's
+// peak grows with its micro-batch, so one that does not fit settles every larger one, and one that
+// fits every smaller one.
+struct MicroBatchFamily {
+  int64_t fits_up_to = 0;
+  int64_t fails_from = INT64_MAX;
+  std::vector<size_t> members;  // by micro-batch, ascending
+};
+
+std::string family_key(const TrainSpec& spec) {
+  Plan p = plan_of_spec(spec);
+  p.batch = p.accum = 0;
+  return p.to_json().dump();
+}
+
+// Whether a candidate's bound is its step time: nothing its estimate tells (the pipeline's cut, the
+// offloaded bytes, the trainable parameters an 8-bit or offloaded update costs) enters its cost.
+bool bound_is_exact(const TrainSpec& spec) {
+  return spec.pipeline.stages == 1 && spec.offload == Offload::none && spec.optimizer != OptimizerKind::adamw8bit;
+}
+
+struct Found {
+  Plan plan;
+  size_t index = 0;        // the candidate's, for ties
+  bool estimated = false;  // else known to fit by its family, its peak not yet estimated
+};
+
+bool faster(const Found& a, const Found& b) {
+  if (a.plan.predicted_step_seconds != b.plan.predicted_step_seconds) {
+    return a.plan.predicted_step_seconds < b.plan.predicted_step_seconds;
+  }
+  if (a.plan.accum != b.plan.accum) return a.plan.accum < b.plan.accum;
+  return a.index < b.index;
+}
+
+// The bound-first search of fastest_fitting_plans (planner.h; docs/estimate-and-plan.md).
+class BoundFirstSearch {
+ public:
+  BoundFirstSearch(const PlanRequest& r, const CostModel& cost)
+      : r_(r), s_(search_of(r)), cost_(cost), candidates_(candidates_of(r, s_.model, s_.base)),
+        want_(static_cast<size_t>(std::max<int64_t>(r.best_only, 1))) {
+    const size_t n = candidates_.size();
+    out_.smallest_peak = -1;
+    out_.considered = static_cast<int64_t>(n);
+    bound_.resize(n);
+    order_.resize(n);
+    family_.resize(n);
+    estimated_.assign(n, 0);
+    std::map<std::string, size_t> by_key;
+    for (size_t i = 0; i < n; ++i) {
+      // Its step time before its estimate: no offloaded bytes, no state to update, the pipeline's
+      // stages as even as the layers allow. The estimate can only add to it.
+      Plan p = plan_of_spec(candidates_[i]);
+      cost_step(p, r_, s_.model, cost_, s_.base.cuda, /*bound=*/true);
+      bound_[i] = p.predicted_step_seconds;
+      order_[i] = i;
+      family_[i] = by_key.emplace(family_key(candidates_[i]), by_key.size()).first->second;
+    }
+    std::stable_sort(order_.begin(), order_.end(), [&](size_t a, size_t b) { return bound_[a] < bound_[b]; });
+    families_.resize(by_key.size());
+    for (size_t i = 0; i < n; ++i) families_[family_[i]].members.push_back(i);
+    for (MicroBatchFamily& f : families_) {
+      std::sort(f.members.begin(), f.members.end(),
+                [&](size_t a, size_t b) { return candidates_[a].batch < candidates_[b].batch; });
+    }
+  }
+
+  PlanResult run() {
+    for (;;) {
+      settle_front();
+      if (at_ < candidates_.size() && bound_[order_[at_]] <= kth()) {
+        probe();
+      } else if (verified()) {
+        break;
+      }
+    }
+    // In the candidates' order, so that plans rank_plans finds equal keep the exhaustive order.
+    std::sort(found_.begin(), found_.end(), [](const Found& a, const Found& b) { return a.index < b.index; });
+    for (const Found& f : found_) out_.plans.push_back(f.plan);
+    return out_;
+  }
+
+ private:
+  // The step time of the want-th fastest found (infinite while fewer are).
+  double kth() {
+    if (found_.size() < want_) return std::numeric_limits<double>::infinity();
+    std::nth_element(found_.begin(), found_.begin() + static_cast<std::ptrdiff_t>(want_ - 1), found_.end(), faster);
+    return found_[want_ - 1].plan.predicted_step_seconds;
+  }
+
+  bool settled(size_t i) const {
+    const MicroBatchFamily& f = families_[family_[i]];
+    return candidates_[i].batch >= f.fails_from || estimated_[i] ||
+           (candidates_[i].batch <= f.fits_up_to && bound_is_exact(candidates_[i]));
+  }
+
+  // Past the candidates at the front of the bound's order that their families settle, the fitting
+  // ones found, while any could be faster than the want-th fastest found.
+  void settle_front() {
+    for (double limit = kth(); at_ < candidates_.size() && bound_[order_[at_]] <= limit; ++at_) {
+      const size_t i = order_[at_];
+      if (!settled(i)) return;
+      if (estimated_[i] || candidates_[i].batch >= families_[family_[i]].fails_from) continue;
+      Plan p = plan_of_spec(candidates_[i]);
+      cost_step(p, r_, s_.model, cost_, s_.base.cuda, /*bound=*/false);
+      found_.push_back({p, i, false});
+      limit = kth();
+    }
+  }
+
+  // What settles candidate i: its own estimate where its family knows it fits but its bound is not
+  // its time; else the family's smallest micro-batch while nothing is known of it (one estimate
+  // settles a family none of whose micro-batches fit), then the middle of those still unknown.
+  size_t probe_for(size_t i) const {
+    const MicroBatchFamily& f = families_[family_[i]];
+    if (candidates_[i].batch <= f.fits_up_to) return i;
+    std::vector<size_t> open;
+    for (size_t m : f.members) {
+      if (candidates_[m].batch > f.fits_up_to && candidates_[m].batch < f.fails_from) open.push_back(m);
+    }
+    return f.fits_up_to == 0 ? open.front() : open[(open.size() - 1) / 2];
+  }
+
+  // The probes that settle the next unsettled candidates, a family at most once, estimated side by side.
+  void probe() {
+    const size_t chunk = static_cast<size_t>(std::max(4 * std::clamp(r_.threads, 1, 256), 8));
+    const double limit = kth();
+    std::vector<size_t> probes;
+    std::set<size_t> probed;
+    for (size_t k = at_; k < candidates_.size() && probes.size() < chunk && bound_[order_[k]] <= limit; ++k) {
+      const size_t i = order_[k];
+      if (!settled(i) && probed.insert(family_[i]).second) probes.push_back(probe_for(i));
+    }
+    const std::vector<Estimate> estimates = estimated(probes);
+    for (size_t k = 0; k < probes.size(); ++k) {
+      Plan p = plan_of_spec(candidates_[probes[k]]);
+      const bool fits = estimated_plan(p, estimates[k], s_.limit);
+      note_peak(out_, p);
+      MicroBatchFamily& f = families_[family_[probes[k]]];
+      if (!fits) {
+        f.fails_from = std::min(f.fails_from, p.batch);
+        continue;
+      }
+      f.fits_up_to = std::max(f.fits_up_to, p.batch);
+      cost_step(p, r_, s_.model, cost_, s_.base.cuda, /*bound=*/false);
+      found_.push_back({p, probes[k], true});
+    }
+  }
+
+  // None left could be faster: the fastest want (and any tied with the last of them) must be
+  // estimated, as every plan shown is. Whether they all were; one its family wrongly settled is
+  // dropped (and the search goes on).
+  bool verified() {
+    std::sort(found_.begin(), found_.end(), faster);
+    size_t keep = std::min(want_, found_.size());
+    while (keep < found_.size() &&
+           found_[keep].plan.predicted_step_seconds == found_[keep - 1].plan.predicted_step_seconds) {
+      ++keep;
+    }
+    std::vector<size_t> which;
+    for (size_t k = 0; k < keep; ++k) {
+      if (!found_[k].estimated) which.push_back(found_[k].index);
+    }
+    if (which.empty()) {
+      found_.resize(keep);
+      return true;
+    }
+    const std::vector<Estimate> estimates = estimated(which);
+    std::vector<Found> kept;
+    for (Found& f : found_) {
+      const auto k = std::find(which.begin(), which.end(), f.index);
+      if (k != which.end()) {
+        f.estimated = true;
+        const bool fits = estimated_plan(f.plan, estimates[static_cast<size_t>(k - which.begin())], s_.limit);
+        note_peak(out_, f.plan);
+        if (!fits) continue;
+        cost_step(f.plan, r_, s_.model, cost_, s_.base.cuda, /*bound=*/false);
+      }
+      kept.push_back(f);
+    }
+    found_ = std::move(kept);
+    return false;
+  }
+
+  std::vector<Estimate> estimated(const std::vector<size_t>& which) {
+    std::vector<TrainSpec> specs;
+    for (size_t i : which) {
+      specs.push_back(candidates_[i]);
+      estimated_[i] = 1;
+    }
+    out_.estimated += static_cast<int64_t>(specs.size());
+    return estimate_all(s_.model, specs, r_.threads);
+  }
+
+  const PlanRequest& r_;
+  const Search s_;
+  const CostModel& cost_;
+  const std::vector<TrainSpec> candidates_;
+  const size_t want_;
+  std::vector<double> bound_;
+  std::vector<size_t> order_, family_;
+  std::vector<char> estimated_;
+  std::vector<MicroBatchFamily> families_;
+  std::vector<Found> found_;
+  size_t at_ = 0;
+  PlanResult out_;
+};
+
+}  // namespace
+
+PlanResult fastest_fitting_plans(const PlanRequest& r, const CostModel& cost) {
+  return BoundFirstSearch(r, cost).run();
+}
+
+}  // namespace headroom
