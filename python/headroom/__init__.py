@@ -47,7 +47,7 @@ from .budget import cpu_budget, inject_cpu_oom  # noqa: E402
 from .guard import Guard, find_max_batch, guard  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 from .predict import Plan, PlanResult, estimate, plan  # noqa: E402
-from .anymodel import measure_model as measure  # noqa: E402
+from .measure import measure_model as measure  # noqa: E402
 from .loss import chunked_cross_entropy  # noqa: E402
 from .offload import offload_activations  # noqa: E402
 
