@@ -51,7 +51,7 @@ std::string best(const PlanResult& p) {
 
 int main(int argc, char** argv) {
   const bool exhaustive = !(argc > 1 && std::strcmp(argv[1], "--no-exhaustive") == 0);
-  // The 70B case is README's (`--precision bf16-mixed --link-bytes-per-second 2.5e10`).
+  // The 70B case is docs/estimate-and-plan.md's (`--precision bf16-mixed --link-bytes-per-second 2.5e10`).
   const Case cases[] = {{"llama-3.1-8b", 16, 64, 2048, 80, true},
                         {"llama-3.1-70b", 64, 512, 4096, 80, true, Precision::bf16_mixed},
                         {"llama-3.1-405b", 1024, 2048, 8192, 80, false},

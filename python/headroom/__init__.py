@@ -36,7 +36,16 @@ import os as _os
 
 import torch as _torch  # loads libtorch before the extension that links it
 
-from . import _core
+from . import _torch_check
+
+_torch_check.check(_torch.__version__)
+try:
+    from . import _core
+except ImportError as _e:  # a torch whose symbols the extension does not find: say which torches
+    if "undefined symbol" not in str(_e):
+        raise
+    raise ImportError(_torch_check.mismatch_message(_torch_check.built_against(), _torch.__version__)
+                      + f" ({_e})") from None
 
 _core.install_cpu_allocator()
 # Where an allocation was made: the innermost frame outside torch's package and this one.
@@ -46,7 +55,8 @@ from .analyze import analyze_snapshot  # noqa: E402
 from .budget import cpu_budget, inject_cpu_oom  # noqa: E402
 from .guard import Guard, find_max_batch, guard  # noqa: E402
 from .monitor import Monitor  # noqa: E402
-from .predict import Plan, PlanResult, estimate, plan  # noqa: E402
+from .plans import Plan, PlanResult  # noqa: E402
+from .predict import estimate, plan  # noqa: E402
 from .measure import measure_model as measure  # noqa: E402
 from .loss import chunked_cross_entropy  # noqa: E402
 from .offload import offload_activations  # noqa: E402

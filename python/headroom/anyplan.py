@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .anymodel import estimate_model
-from .predict import Plan, PlanResult
+from .plans import Plan, PlanResult
 from .step import OptimizerLike
 
 

@@ -62,3 +62,30 @@ def test_a_hostile_pickle_is_refused_and_never_run(tmp_path):
     assert not marker.exists()
     with pytest.raises(ValueError, match="cannot open"):
         headroom.analyze_snapshot(tmp_path / "missing.pickle")
+
+
+def test_a_torch_2_15_snapshot_reads_as_its_2_11_shape(tmp_path):
+    """torch 2.15's snapshot adds the pinned host pool (host_segments, host_traces), "annotate" events
+    with internal_metadata among the device's, and the pinned pool's limits among the settings: the
+    analysis of a snapshot with them is that of the same snapshot without them."""
+    path, facts = generate(tmp_path, "leak")
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    trace = snap["device_traces"][0]
+    at = len(trace) // 2
+    newer = dict(snap, host_segments=[], host_traces=[[]],
+                 allocator_settings=dict(snap["allocator_settings"], max_round_threshold=-1, max_cached_size=-1),
+                 device_traces=[trace[:at] + [{"action": "annotate", "addr": 0, "size": 0, "stream": 0,
+                                               "time_us": trace[at - 1].get("time_us", 0), "frames": [],
+                                               "internal_metadata": "phase:backward"}] + trace[at:]])
+    newer_path = tmp_path / "torch-2.15.pickle"
+    with open(newer_path, "wb") as f:
+        pickle.dump(newer, f)
+    old, new = headroom.analyze_snapshot(path), headroom.analyze_snapshot(newer_path)
+    old_peak, new_peak = dict(old["devices"][0]["peak"]), dict(new["devices"][0]["peak"])
+    # The peak's event index counts the annotation when it comes before it; all else is the same.
+    old_event = old_peak.pop("allocated_event")
+    assert new_peak.pop("allocated_event") == old_event + (old_event >= at)
+    assert new_peak == old_peak
+    assert new["devices"][0]["peak"]["allocated"] == facts["peak_allocated"]
+    assert new["devices"][0]["leak"]["sites"][0]["origin"] == facts["leak_site"]

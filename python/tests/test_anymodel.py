@@ -7,7 +7,7 @@ PyTorch's own nn.TransformerEncoder with a custom loss, bf16 autocast and checkp
 estimate is built on the meta device; the measurement is a plain torch loop over a real copy
 (not headroom's step runner, nor its trace), peaks read from headroom's counting allocator.
 
-The bound the README states: the step's peak within 1%, each phase's within 2%. The test holds a
+The bound docs/any-model.md states: the step's peak within 1%, each phase's within 2%. The test holds a
 subset of the zoo to it (TESTED); bench/anymodel_zoo.py measures every model.
 """
 import gc

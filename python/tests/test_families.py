@@ -13,7 +13,7 @@ import transformers
 from conftest import ROOT
 
 PRESETS = ["gpt2", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "pythia-160m", "qwen3-0.6b", "qwen3-8b",
-           "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-1b", "phi-3-mini", "olmo-2-7b"]
+           "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-1b", "phi-3-mini", "olmo-2-7b", "smollm3-3b"]
 
 
 def preset_fields(preset):

@@ -26,7 +26,7 @@ STEPS = 2  # the second step has the optimizer's state from the start, as every 
 # (batch, seq, checkpointing): a short step, and a longer one with transformers' gradient checkpointing
 SETTINGS = [(1, 64, "none"), (2, 256, "full")]
 PHASES = ("forward", "backward", "optimizer")
-# The bound the README states: each phase's peak within 1% of what transformers' model measures.
+# The bound docs/python.md states: each phase's peak within 1% of what transformers' model measures.
 BOUND = 0.01
 
 FAMILIES = [

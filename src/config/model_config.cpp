@@ -346,6 +346,7 @@ const std::vector<FamilyRow>& family_table() {
       {"gemma3_text", Family::gemma3, read_gemma3},
       {"phi3", Family::phi3, read_phi3},
       {"olmo2", Family::olmo2, read_olmo2},
+      {"smollm3", Family::smollm3, read_smollm3},
   };
   return rows;
 }
@@ -370,6 +371,11 @@ bool ModelConfig::windowed(int64_t layer) const {
   if (!sliding_window) return false;
   if (!sliding_layers.empty()) return sliding_layers.at(static_cast<size_t>(layer));
   return layer >= window_from_layer;
+}
+
+bool ModelConfig::rotated(int64_t layer) const {
+  if (learned_positions) return false;
+  return rope_layers.empty() || rope_layers.at(static_cast<size_t>(layer));
 }
 
 bool ModelConfig::sparse(int64_t layer) const {

@@ -1,6 +1,7 @@
 // ModelConfig — one Transformer architecture, read from a Hugging Face config.json.
 //
-// Families: gpt2, llama, mistral, qwen2, gpt_neox, qwen3, qwen3_moe, mixtral, gemma3, phi3, olmo2.
+// Families: gpt2, llama, mistral, qwen2, gpt_neox, qwen3, qwen3_moe, mixtral, gemma3, phi3, olmo2,
+// smollm3.
 // Each family's reader (the older five in model_config.cpp, the rest one file each in
 // config/families/) maps its own field names (n_embd, hidden_size, ...) onto this one normalised
 // struct of switches, applying Hugging Face's defaults for optional fields; a new family is one
@@ -16,7 +17,7 @@
 
 namespace headroom {
 
-enum class Family { gpt2, llama, mistral, qwen2, gpt_neox, qwen3, qwen3_moe, mixtral, gemma3, phi3, olmo2 };
+enum class Family { gpt2, llama, mistral, qwen2, gpt_neox, qwen3, qwen3_moe, mixtral, gemma3, phi3, olmo2, smollm3 };
 enum class NormKind { layer_norm, rms_norm };
 enum class Activation { gelu, gelu_tanh, silu, relu };
 // RMS norms of the queries and keys before rotary: none, per head over head_dim (qwen3, gemma3),
@@ -71,6 +72,7 @@ struct ModelConfig {
   int64_t rotary_dim = 0;          // leading dims of each head that rotate (gpt_neox: a fraction)
   double rope_theta = 10000.0;
   std::optional<RopeScaling> rope_scaling;
+  std::vector<bool> rope_layers;  // when not empty, which layers rotate (smollm3: every 4th does not)
 
   bool qkv_bias = false;
   bool out_bias = false;
@@ -100,6 +102,8 @@ struct ModelConfig {
 
   // Layer i attends through the sliding window.
   bool windowed(int64_t layer) const;
+  // Layer i rotates its queries and keys (rotary position embeddings).
+  bool rotated(int64_t layer) const;
   // Layer i's MLP is a mixture of experts.
   bool sparse(int64_t layer) const;
 };

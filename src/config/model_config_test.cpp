@@ -43,7 +43,8 @@ INSTANTIATE_TEST_SUITE_P(Presets, PublishedCounts,
                                            Published{"mixtral-8x7b", 46'702'792'704},
                                            Published{"gemma-3-1b", 999'885'952},
                                            Published{"phi-3-mini", 3'821'079'552},
-                                           Published{"olmo-2-7b", 7'298'617'344}),
+                                           Published{"olmo-2-7b", 7'298'617'344},
+                                           Published{"smollm3-3b", 3'075'098'624}),
                          [](const auto& info) {
                            std::string n = info.param.preset;
                            for (char& ch : n)
@@ -79,6 +80,20 @@ TEST(ModelConfig, FamiliesReadTheirOwnFields) {
   const auto windowed = load_model_config("qwen2.5-0.5b", {"use_sliding_window=true", "max_window_layers=21"});
   EXPECT_EQ(windowed.sliding_window, 32768);
   EXPECT_EQ(windowed.window_from_layer, 21);
+  // SmolLM3: every 4th layer without rotary, from no_rope_layers or, without it, its interval; a
+  // window, when set, on those layers.
+  const auto smol = load_model_config("smollm3-3b");
+  EXPECT_EQ(smol.family, Family::smollm3);
+  for (int64_t i = 0; i < smol.num_layers; ++i) EXPECT_EQ(smol.rotated(i), (i + 1) % 4 != 0) << i;
+  EXPECT_DOUBLE_EQ(smol.rope_theta, 5e6);
+  const auto every_third = load_model_config("smollm3-3b", {"no_rope_layers=null", "no_rope_layer_interval=3",
+                                                            "num_hidden_layers=6"});
+  EXPECT_EQ(std::vector<bool>(every_third.rope_layers), (std::vector<bool>{true, true, false, true, true, false}));
+  const auto sliding = load_model_config("smollm3-3b", {"num_hidden_layers=4", "use_sliding_window=true",
+                                                        "sliding_window=512"});
+  EXPECT_EQ(sliding.sliding_layers, (std::vector<bool>{false, false, false, true}));
+  EXPECT_TRUE(load_model_config("llama-3.2-1b").rotated(3));
+  EXPECT_FALSE(load_model_config("gpt2").rotated(0));  // learned positions
 }
 
 // transformers 5 saves the rotary settings as rope_parameters; the same model reads the same.
@@ -152,6 +167,10 @@ TEST(ModelConfig, BadInputGetsOneLineErrors) {
               ThrowsMessage<Error>(HasSubstr("rope_scaling.factor must be a number")));
   EXPECT_THAT([] { load_model_config("gpt2", {"scale_attn_by_inverse_layer_idx=true"}); },
               ThrowsMessage<Error>(HasSubstr("scale_attn_by_inverse_layer_idx = true is not supported")));
+  EXPECT_THAT([] { load_model_config("smollm3-3b", {"no_rope_layers=[1,1,2]", "num_hidden_layers=3"}); },
+              ThrowsMessage<Error>(HasSubstr("no_rope_layers[2] is 2; accepted: 1 (rotary) or 0 (none)")));
+  EXPECT_THAT([] { load_model_config("smollm3-3b", {"no_rope_layers=[1,0]"}); },
+              ThrowsMessage<Error>(HasSubstr("no_rope_layers must be a list of at least num_hidden_layers (36)")));
   // A directory is read as a checkpoint's: its config.json, or an error saying there is none.
   EXPECT_THAT([] { load_model_config("/proc"); },
               ThrowsMessage<Error>(HasSubstr("--model '/proc': a directory without a config.json")));

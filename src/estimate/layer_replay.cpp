@@ -202,7 +202,7 @@ Tensor LayerReplay::attention_block(int64_t layer, const Tensor& input, const Ro
     q = rms_norm(q, p(pre + "q_norm.weight"), c_.norm_plus_one);
     k = rms_norm(k, p(pre + "k_norm.weight"), c_.norm_plus_one);
   }
-  const bool rotated = !c_.learned_positions;
+  const bool rotated = c_.rotated(layer);
   if (rotated) {
     const bool local = c_.windowed(layer) && c_.local_rope_theta.has_value();
     const Tensor& cos = local ? rope.local_cos : rope.cos;

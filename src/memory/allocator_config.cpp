@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <cstdlib>
 
+#include <torch/headeronly/version.h>
+
 #include "util/error.h"
 
 namespace headroom {
@@ -138,13 +140,43 @@ std::string AllocatorConfig::text() const {
 
 namespace {
 
-// The keys PyTorch 2.11's parsers accept (c10/core/AllocatorConfig.h, c10/cuda/CUDAAllocatorConfig.h),
-// for messages.
+// The keys the linked PyTorch's parsers accept (c10/core/AllocatorConfig.h,
+// c10/cuda/CUDAAllocatorConfig.h), for messages: 2.11's, and from 2.15 the pinned pool's limits, the
+// pre-emptive OOM and the expandable segments' address reserve.
+constexpr bool kTorch215 = TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 constexpr const char* kAcceptedKeys =
-    "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold, "
-    "expandable_segments, large_segment_size_mb, backend, release_lock_on_cudamalloc, pinned_use_cuda_host_register, "
-    "pinned_num_register_threads, pinned_use_background_threads, pinned_reserve_segment_size_mb, "
-    "graph_capture_record_stream_reuse, per_process_memory_fraction";
+    kTorch215 ? "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold, "
+                "expandable_segments, large_segment_size_mb, backend, release_lock_on_cudamalloc, "
+                "release_lock_on_hipmalloc, pinned_use_cuda_host_register, pinned_use_hip_host_register, "
+                "pinned_num_register_threads, pinned_use_background_threads, "
+                "pinned_reserve_segment_size_mb, pinned_max_round_threshold_mb, pinned_max_cached_size_mb, "
+                "pinned_free_catch_all, graph_capture_record_stream_reuse, per_process_memory_fraction, "
+                "throw_on_cudamalloc_oom, expandable_segments_reserve, expandable_segments_reserve_by_class"
+              : "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold, "
+                "expandable_segments, large_segment_size_mb, backend, release_lock_on_cudamalloc, "
+                "release_lock_on_hipmalloc, pinned_use_cuda_host_register, pinned_use_hip_host_register, "
+                "pinned_num_register_threads, pinned_use_background_threads, "
+                "pinned_reserve_segment_size_mb, graph_capture_record_stream_reuse, per_process_memory_fraction";
+
+// PyTorch 2.15's keys that change nothing headroom models, checked as 2.15 checks them: the pinned
+// pool's limits are whole MiB counts, the two switches True or False; a malformed address reserve
+// only makes PyTorch warn and keep its default, so any value passes (a reserve class list needs its
+// brackets). True when `key` is one of them.
+bool apply_torch215_key(const std::string& key, const std::string& value, const std::string& source) {
+  if (!kTorch215) return false;
+  if (key == "pinned_max_round_threshold_mb" || key == "pinned_max_cached_size_mb") {
+    parse_count(key, value, source);
+  } else if (key == "pinned_free_catch_all" || key == "throw_on_cudamalloc_oom") {
+    parse_bool(key, value, source);
+  } else if (key == "expandable_segments_reserve_by_class") {
+    if (value.size() < 2 || value.front() != '[' || value.back() != ']') {
+      fail("{}: expandable_segments_reserve_by_class '{}': expected [class:reserve,...]", source, value);
+    }
+  } else if (key != "expandable_segments_reserve") {
+    return false;
+  }
+  return true;
+}
 
 // Settings PyTorch accepts that change where memory goes in a way headroom's model of the caching
 // allocator does not reproduce. `modelled`: refuse them (the model would be wrong); otherwise check
@@ -206,9 +238,12 @@ void apply_option(AllocatorConfig& c, const std::string& option, const std::stri
   } else if (key == "backend" || key == "large_segment_size_mb") {
     apply_unmodelled(key, value, source, modelled);
   } else if (key == "release_lock_on_cudamalloc" || key == "pinned_use_cuda_host_register" ||
+             key == "release_lock_on_hipmalloc" || key == "pinned_use_hip_host_register" ||  // ROCm's names
              key == "pinned_num_register_threads" || key == "pinned_use_background_threads" ||
              key == "pinned_reserve_segment_size_mb" || key == "graph_capture_record_stream_reuse" ||
              key == "per_process_memory_fraction") {
+    c.ignored.push_back(option);
+  } else if (apply_torch215_key(key, value, source)) {
     c.ignored.push_back(option);
   } else {
     fail("{}: unknown option '{}'; accepted: {}", source, key, kAcceptedKeys);

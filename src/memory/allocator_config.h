@@ -1,7 +1,7 @@
 // AllocatorConfig — the caching allocator's settings, read from PYTORCH_CUDA_ALLOC_CONF's syntax.
 //
-// The options that change where memory goes, with PyTorch 2.11's meaning and defaults
-// (c10/cuda/CUDACachingAllocator.cpp and its config parser):
+// The options that change where memory goes, with their meaning and defaults in PyTorch 2.11 to 2.15
+// (c10/cuda/CUDACachingAllocator.cpp and its config parser; unchanged between those releases):
 //   max_split_size_mb:N            blocks of N MiB or more are never split; a request below N is never
 //                                  served by one, a larger request only by one less than 20 MiB larger
 //                                  (max_non_split_rounding_mb); N is at least 20. Default: unlimited.
@@ -11,8 +11,9 @@
 //   garbage_collection_threshold:T with a memory cap, cached unsplit blocks are freed oldest first once
 //                                  reserved memory passes T of the cap (0 < T < 1).
 //   expandable_segments:True       one growing mapping per pool and stream instead of fixed segments.
-// Options that change nothing here (backend:native, release_lock_on_cudamalloc, pinned_*, ...) are
-// accepted and kept in `ignored`; backend:cudaMallocAsync (a different allocator) and a
+// Options that change nothing here (backend:native, release_lock_on_cudamalloc, pinned_*, and with
+// torch 2.15 throw_on_cudamalloc_oom and expandable_segments_reserve*, which the linked torch's
+// parser decides) are accepted and kept in `ignored`; backend:cudaMallocAsync (a different allocator) and a
 // large_segment_size_mb other than 20 are refused: the model would not hold for them.
 #pragma once
 

@@ -1,4 +1,4 @@
-// CachingPolicy — PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, 2.11), its
+// CachingPolicy — PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, 2.11 to 2.15), its
 // decisions without its memory: which block serves a request, when a segment is taken from the
 // device or given back, how blocks split and merge. Written once and used three ways: by the cpu
 // caching allocator (memory/caching_heap.h) over real host memory, by the estimator over its
@@ -9,7 +9,9 @@
 //   - sizes are rounded up to 512 bytes (or to roundup_power2_divisions steps);
 //   - requests up to 1 MiB come from the small pool, whose segments are 2 MiB; larger ones from the
 //     large pool: a 20 MiB segment below 10 MiB, else the size rounded up to 2 MiB;
-//   - the best fit (smallest block, then lowest address) of the request's pool and stream serves it;
+//   - the best fit (smallest block, then the earliest segment, then lowest address) of the request's
+//     pool and stream serves it (2.15 orders equal sizes by a counter of segment creation, 2.11 by
+//     address; with the bump pointer below both are the address order, as on cuda only 2.15 is);
 //     a block of max_split_size or more never serves a smaller request, nor one more than
 //     max_non_split_rounding smaller than itself;
 //   - a block is split when the rest is at least 512 bytes (small pool, expandable segments) or

@@ -2,7 +2,10 @@
 // the rule (in the comments), not taken from the policy's output.
 #include "memory/caching_policy.h"
 
+#include <c10/core/AllocatorConfig.h>
 #include <gtest/gtest.h>
+
+#include <map>
 
 #include "util/error.h"
 
@@ -296,6 +299,38 @@ TEST(AllocatorConfig, ParsesPyTorchsSyntaxAndRefusesWhatItDoesNot) {
                           "expandable_segments:true",
                           "backend:cudaMallocAsync", "max_split_size_mb", "roundup_power2_divisions:[300:2]"}) {
     EXPECT_THROW(conf(bad), Error) << bad;
+  }
+}
+
+// Every key the linked torch's own parser knows (its registry of keys, CUDA's among them) is accepted
+// by the environment's check, with a value that parser accepts; a key it does not know is refused. A
+// torch release that adds a key fails here until headroom knows it.
+TEST(AllocatorConfig, AcceptsEveryKeyOfTheLinkedTorch) {
+  const std::map<std::string, std::string> value{
+      {"max_split_size_mb", "64"}, {"max_non_split_rounding_mb", "64"}, {"roundup_power2_divisions", "4"},
+      {"garbage_collection_threshold", "0.5"}, {"expandable_segments", "True"}, {"large_segment_size_mb", "20"},
+      {"backend", "native"}, {"release_lock_on_cudamalloc", "True"}, {"pinned_use_cuda_host_register", "True"},
+      {"release_lock_on_hipmalloc", "True"}, {"pinned_use_hip_host_register", "True"},
+      {"pinned_num_register_threads", "4"}, {"pinned_use_background_threads", "True"},
+      {"pinned_reserve_segment_size_mb", "64"}, {"pinned_max_round_threshold_mb", "64"},
+      {"pinned_max_cached_size_mb", "256"}, {"pinned_free_catch_all", "True"},
+      {"graph_capture_record_stream_reuse", "True"}, {"per_process_memory_fraction", "0.5"},
+      {"throw_on_cudamalloc_oom", "True"}, {"expandable_segments_reserve", "40G"},
+      {"expandable_segments_reserve_by_class", "[decode:0.25,prefill:8G]"}};
+  const auto& keys = c10::CachingAllocator::AcceleratorAllocatorConfig::getKeys();
+  ASSERT_TRUE(keys.count("max_split_size_mb")) << "the linked torch's registry of allocator keys";
+  for (const std::string& key : keys) {
+    const auto v = value.find(key);
+    if (v == value.end()) {
+      ADD_FAILURE() << "the linked torch accepts '" << key << "', which headroom does not know";
+      continue;
+    }
+    EXPECT_NO_THROW(check_allocator_config(key + ":" + v->second, "test")) << key;
+  }
+  for (const auto& [key, v] : value) {
+    if (!keys.count(key)) {
+      EXPECT_THROW(check_allocator_config(key + ":" + v, "test"), Error) << key;
+    }
   }
 }
 

@@ -158,6 +158,7 @@ class CausalLM {
     std::vector<Expert> experts;
     std::optional<int64_t> window;  // sliding attention window of this layer
     bool local_rope = false;        // rotates by the windowed layers' own base (gemma3)
+    bool rotary = true;             // rotates q and k at all (smollm3: not every 4th layer)
   };
   struct RotaryTables {
     std::pair<at::Tensor, at::Tensor> global, local;  // cos, sin

@@ -76,7 +76,7 @@ TEST_P(MatchesHuggingFace, SameLogitsFromTransformersOwnSafetensors) {
 
 INSTANTIATE_TEST_SUITE_P(Families, MatchesHuggingFace,
                          ::testing::Values("gpt2", "llama", "mistral", "qwen2", "gpt_neox", "qwen3", "qwen3_moe",
-                                           "mixtral", "gemma3", "phi3", "olmo2"),
+                                           "mixtral", "gemma3", "phi3", "olmo2", "smollm3"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

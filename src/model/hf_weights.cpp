@@ -13,7 +13,7 @@
 #include <set>
 
 #include "model/lora.h"
-#include "train/safetensors.h"
+#include "model/safetensors.h"
 #include "util/error.h"
 #include "util/atomic_file.h"
 #include "util/files.h"

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "testing/temp_dir.h"
-#include "train/safetensors.h"
+#include "model/safetensors.h"
 #include "util/error.h"
 
 namespace headroom {
@@ -154,7 +154,7 @@ TEST(HfWeights, EveryFamilySavesTheNamesAndTensorsTransformersSaves) {
     EXPECT_EQ(load_model_config(out.file("saved")).hidden_size, config.hidden_size);
     ++families;
   }
-  EXPECT_EQ(families, 11);
+  EXPECT_EQ(families, 12);
 }
 
 // GPT-2's widths and vocabulary (2 layers; fused q/k/v, Conv1D weights stored transposed, 50257 rows

@@ -12,7 +12,7 @@
 #include <set>
 
 #include "model/hf_weights.h"
-#include "train/safetensors.h"
+#include "model/safetensors.h"
 #include "util/atomic_file.h"
 #include "util/error.h"
 #include "util/files.h"

@@ -27,8 +27,8 @@ struct GridFamily {
 // qwen3-0.6b (tied, q/k norms per head), qwen3-30b-a3b with 8 of its experts and a dense layer, and
 // with all 128 experts in one layer, mixtral-8x7b with 2 of its experts (a window of 16), gemma-3-1b
 // (tied, 262,144 tokens, sandwich norms, a sliding and a global layer with their two rotary bases),
-// phi-3-mini (fused qkv and gate_up, a window of 16) and olmo-2-7b (post-norms, whole-projection
-// q/k norms).
+// phi-3-mini (fused qkv and gate_up, a window of 16), olmo-2-7b (post-norms, whole-projection
+// q/k norms) and smollm3-3b (tied; its second layer without rotary, as every fourth is).
 // gtest prints parameters byte by byte unless told how.
 inline void PrintTo(const GridFamily& f, std::ostream* os) { *os << f.label; }
 
@@ -44,7 +44,8 @@ inline std::vector<GridFamily> grid_families() {
           {"mixtral", "mixtral-8x7b", {"num_hidden_layers=1", "num_local_experts=2", "sliding_window=16"}},
           {"gemma3", "gemma-3-1b", {"num_hidden_layers=2", "sliding_window=16", "sliding_window_pattern=2"}},
           {"phi3", "phi-3-mini", {"num_hidden_layers=1", "sliding_window=16"}},
-          {"olmo2", "olmo-2-7b", {"num_hidden_layers=1"}}};
+          {"olmo2", "olmo-2-7b", {"num_hidden_layers=1"}},
+          {"smollm3", "smollm3-3b", {"num_hidden_layers=2", "no_rope_layers=[1,0]"}}};
 }
 
 // The configurations of one family. The three small models get eight, the larger two four and three,
@@ -115,6 +116,9 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
                 {2, 32, 1, "bf16", "flash", "sgd", "ops"}};
   } else if (family.label == "olmo2") {
     variants = {{2, 32, 1, "bf16", "flash", "adafactor", "none"}, {1, 32, 1, "bf16-mixed", "math", "sgd", "none"}};
+  } else if (family.label == "smollm3") {  // 2 layers: the 2nd without rotary
+    variants = {{2, 32, 1, "bf16", "flash", "sgd", "none"}, {1, 32, 1, "bf16-mixed", "flash", "sgd", "selective"},
+                {2, 32, 1, "bf16", "flash", "sgd", "ops"}};
   }
   // Fine-tuning: gpt2's fused, transposed projections under LoRA; a tied llama with frozen
   // embeddings and its first layer.
@@ -178,6 +182,7 @@ inline std::vector<RunConfig> accuracy_subset(const GridFamily& family) {
   if (family.label == "gemma3") keep = {0, 1, 3, 4, 5};
   if (family.label == "phi3") keep = {1, 2};             // bf16-mixed full checkpointing, windowed; LoRA fused
   if (family.label == "olmo2") keep = {0};               // bf16 adafactor
+  if (family.label == "smollm3") keep = {0};             // bf16 sgd, a layer without rotary
   const std::vector<RunConfig> grid = accuracy_grid(family);
   std::vector<RunConfig> out;
   for (size_t i : keep) out.push_back(grid.at(i));

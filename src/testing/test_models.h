@@ -49,6 +49,7 @@ inline std::vector<ShrunkModel> shrunk_models() {
       {"gemma3", "gemma-3-1b", with(llama_like, {"sliding_window=8", "sliding_window_pattern=2"})},
       {"phi3", "phi-3-mini", with(llama_like, {"sliding_window=8"})},
       {"olmo2", "olmo-2-7b", llama_like},
+      {"smollm3", "smollm3-3b", with(llama_like, {"no_rope_layers=[1,0]"})},
   };
 }
 

@@ -31,7 +31,7 @@ RunConfig tiny_caching(int64_t steps) {
   return cfg;
 }
 
-// The README's fragmentation demonstration: gpt2's widths at two layers, batch 2 x seq 32, under a
+// The fragmentation demonstration (docs/caching-allocator.md): gpt2's widths at two layers, batch 2 x seq 32, under a
 // budget its live bytes fit and fixed segments do not.
 RunConfig fragmentation_demo(int64_t steps) {
   RunConfig cfg = tiny_caching(steps);
@@ -142,7 +142,7 @@ TEST(CachingRun, TheGuardTriesExpandableSegmentsWhenTheSegmentsNotTheBytesRanOut
   EXPECT_EQ(r.steps[0].batch, 4);
 }
 
-// The fragmentation demonstration (README): gpt2's widths at two layers, under a budget its live
+// The fragmentation demonstration (docs/caching-allocator.md): gpt2's widths at two layers, under a budget its live
 // bytes fit (1,165,859,794 at the peak: 2.7% to spare) but fixed segments do not — the embedding's
 // 147 MiB gradient needs a new segment while 30-odd MiB sit free inside split ones. With expandable
 // segments the same run fits, and the estimator says both before either runs.

@@ -1,6 +1,6 @@
 // The safetensors reader against the safetensors library's own output, its writer against its
 // reader, and every kind of broken file refused with the first thing wrong, nothing read.
-#include "train/safetensors.h"
+#include "model/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>

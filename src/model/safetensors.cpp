@@ -1,4 +1,4 @@
-#include "train/safetensors.h"
+#include "model/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
