@@ -175,55 +175,18 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
             fake_inputs = _map_inputs(inputs, lambda x: torch.empty_strided(tuple(x.shape), tuple(x.stride()),
                                                                              dtype=x.dtype, device="cpu")) if fake \
                 else _real_inputs(inputs)
-        for t, kind, block in setup:
-            sid = trace.add(t, kind, block)
-            cats.kind[sid] = kind
-            if kind == "weights":
-                trace.weight_ids.add(sid)
-                trace.block_of[sid] = block
-        for t in [x for x in torch.utils._pytree.tree_flatten(fake_inputs)[0] if isinstance(x, torch.Tensor)]:
-            cats.kind.setdefault(trace.add(t, "inputs"), "inputs")
+        _record_setup(trace, cats, setup, fake_inputs)
         step_begin = len(trace.events)
         params = [p for p in model.parameters() if p.requires_grad]
         with fake_mode:
             opt = make_optimizer(optimizer, params, device)
 
-        def after_forward(output):
-            logits = getattr(output, "logits", None)
-            if logits is None and isinstance(output, dict):
-                logits = output.get("logits")
-            if isinstance(logits, torch.Tensor):
-                cats.mark([logits], "logits")
-
-        def after_phase(phase: str):
-            if phase == "forward":
-                if world is not None:  # FSDP's first forward may re-pad a rank's shards: the shards now
-                    for p in model.parameters():
-                        if local(p) is p:
-                            continue  # not a shard: a parameter gathered whole (the root's, kept to backward)
-                        sid = trace.storage_id(p)
-                        if sid is not None:
-                            cats.kind.setdefault(sid, "weights")
-                            trace.weight_ids.add(sid)
-                            trace.block_of.setdefault(sid, block_of_param.get(id(p), -1))
-                cats.forward_done()
-            elif phase == "backward":
-                grads = [p.grad for p in params if p.grad is not None]
-                cats.mark(grads, "gradients")
-                for p in params:
-                    if p.grad is not None:
-                        gsid = trace.storage_id(p.grad)
-                        psid = trace.storage_id(p)
-                        if gsid is not None and psid is not None:
-                            trace.block_of[gsid] = trace.block_of.get(psid, -1)
-            elif phase == "optimizer":
-                cats.mark([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
-                          "optimizer")
+        after_phase = _phase_marks(model, world, trace, cats, block_of_param, params, opt)
 
         with prepared(model, checkpointing, blocks.modules), blocks.marked(trace) if blocks.modules is not None \
                 else contextlib.nullcontext(), fake_mode, trace, trace.resizes():
             run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, _collected(trace),
-                      after_forward=after_forward, after_phase=after_phase, backward=trace.backward)
+                      after_forward=_logits_mark(cats), after_phase=after_phase, backward=trace.backward)
             step_end = len(trace.events)  # what is freed after the last step is not the step's
         del opt, params, fake_inputs, setup
     finally:
@@ -235,6 +198,60 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
     owner = {sid: s.owner for sid, s in trace.storages.items()}
     per_block = [trace.block_flops.get(t, 0) // STEPS for t in range(len(blocks.modules or []))]
     return _Traced(trace.events[:step_end], labels, owner, step_begin, trace.flops // STEPS, per_block)
+
+
+def _record_setup(trace: StorageTrace, cats: _Categories, setup: List[Tuple[torch.Tensor, str, int]],
+                  inputs) -> None:
+    """The tensors made before the step: the weights and buffers (each with its block), the inputs."""
+    for t, kind, block in setup:
+        sid = trace.add(t, kind, block)
+        cats.kind[sid] = kind
+        if kind == "weights":
+            trace.weight_ids.add(sid)
+            trace.block_of[sid] = block
+    for t in [x for x in torch.utils._pytree.tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]:
+        cats.kind.setdefault(trace.add(t, "inputs"), "inputs")
+
+
+def _logits_mark(cats: _Categories) -> Callable:
+    """After the forward: the output's logits (an attribute or a key) are the logits category."""
+    def after_forward(output):
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, dict):
+            logits = output.get("logits")
+        if isinstance(logits, torch.Tensor):
+            cats.mark([logits], "logits")
+    return after_forward
+
+
+def _phase_marks(model, world, trace: StorageTrace, cats: _Categories, block_of_param: Dict[int, int], params,
+                 opt) -> Callable[[str], None]:
+    """After each phase, the categories it settles: the forward's end (with a world, the shards
+    FSDP's first forward may have re-padded), the gradients and their blocks, the optimizer's state."""
+    def after_phase(phase: str):
+        if phase == "forward":
+            if world is not None:  # FSDP's first forward may re-pad a rank's shards: the shards now
+                for p in model.parameters():
+                    if local(p) is p:
+                        continue  # not a shard: a parameter gathered whole (the root's, kept to backward)
+                    sid = trace.storage_id(p)
+                    if sid is not None:
+                        cats.kind.setdefault(sid, "weights")
+                        trace.weight_ids.add(sid)
+                        trace.block_of.setdefault(sid, block_of_param.get(id(p), -1))
+            cats.forward_done()
+        elif phase == "backward":
+            cats.mark([p.grad for p in params if p.grad is not None], "gradients")
+            for p in params:
+                if p.grad is not None:
+                    gsid = trace.storage_id(p.grad)
+                    psid = trace.storage_id(p)
+                    if gsid is not None and psid is not None:
+                        trace.block_of[gsid] = trace.block_of.get(psid, -1)
+        elif phase == "optimizer":
+            cats.mark([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+                      "optimizer")
+    return after_phase
 
 
 def _materialized_shards(model, fake_mode, blocks: Blocks, block_of_param: Dict[int, int],

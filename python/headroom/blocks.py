@@ -177,30 +177,17 @@ def templates(traced_kinds: Sequence[int], kinds: Sequence[int]) -> List[int]:
         raise CannotExpand(f"no traced block has the context {e.args[0]}") from None
 
 
-def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequence[int],
-           kinds: Sequence[int]) -> Tuple[List[Event], Dict[int, int]]:
-    """The event stream of the stack ``kinds`` from one traced on the stack ``traced_kinds``
-    (chosen by :func:`choose`: every context of ``kinds`` is one of its blocks').
-
-    ``owner``: storage id -> the block tag its allocation had (-1: none). Returns the new events and,
-    for each new storage id, the traced storage it copies (for its label).
-    """
-    traced, depth = len(traced_kinds), len(kinds)
-    template = templates(traced_kinds, kinds)
-    copies: Dict[int, List[int]] = {}
-    for j, t in enumerate(template):
-        copies.setdefault(t, []).append(j)
-
-    # Segments: maximal runs of events with one tag, in one phase.
-    segments: List[Tuple[int, int, int]] = []  # (tag, start, end)
+def _segments(events: Sequence[Event]) -> List[Tuple[int, int, int]]:
+    """Maximal runs of events with one tag, in one phase: (tag, start, end). What happens between
+    two neighbouring blocks (a free as the loop moves on) goes with the block before: it recurs
+    between every pair."""
+    segments: List[Tuple[int, int, int]] = []
     for i, e in enumerate(events):
         tag = max(e[4], -1)
         if segments and segments[-1][0] == tag and events[segments[-1][1]][3] == e[3]:
             segments[-1] = (tag, segments[-1][1], i + 1)
         else:
             segments.append((tag, i, i + 1))
-    # What happens between two neighbouring blocks (a free as the loop moves on) goes with the
-    # block before: it recurs between every pair.
     merged: List[Tuple[int, int, int]] = []
     for k, seg in enumerate(segments):
         between = (seg[0] < 0 and merged and merged[-1][0] >= 0 and k + 1 < len(segments)
@@ -210,10 +197,15 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequenc
             merged[-1] = (merged[-1][0], merged[-1][1], seg[2])
         else:
             merged.append(seg)
-    segments = merged
+    return merged
 
-    # A block's storages correspond to another's of its kind by their order: the n-th storage a
-    # block allocates is what the n-th of the other is to it.
+
+def _ordinals(events: Sequence[Event], owner: Dict[int, int],
+              traced_kinds: Sequence[int]) -> Tuple[Dict[int, int], Dict[Tuple[int, int], int]]:
+    """A block's storages correspond to another's of its kind by their order: the n-th storage a
+    block allocates is what the n-th of the other is to it. Returns storage id -> n, and (block, n)
+    -> a traced storage (for labels)."""
+    traced = len(traced_kinds)
     ordinal: Dict[int, int] = {}
     counts = [0] * traced
     for sid, _, allocated, _, tag in events:
@@ -225,87 +217,117 @@ def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequenc
         same = {counts[t] for t in range(traced) if traced_kinds[t] == kind}
         if len(same) != 1:
             raise CannotExpand(f"traced blocks of one kind allocate {sorted(same)} storages")
-    by_ordinal: Dict[Tuple[int, int], int] = {}  # (owner, ordinal) -> a traced storage, for labels
-    for sid, n in ordinal.items():
-        by_ordinal[(owner[sid], n)] = sid
+    return ordinal, {(owner[sid], n): sid for sid, n in ordinal.items()}
 
-    ids: Dict[Tuple[int, int], int] = {}
-    source: Dict[int, int] = {}
-    out: List[Event] = []
-    after_ascending = [None]  # the direction of the last run of blocks, for the events after it
 
-    def instance(sid: int, tmpl: Optional[int], copy: Optional[int]) -> int:
-        o = owner.get(sid, -1)
-        if o < 0 or sid not in ordinal:
+class _Expansion:
+    """:func:`expand`'s state: the new storage ids, their sources, and the events written."""
+
+    def __init__(self, events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequence[int],
+                 kinds: Sequence[int]) -> None:
+        self.events, self.owner, self.traced_kinds, self.kinds = events, owner, traced_kinds, kinds
+        self.traced, self.depth = len(traced_kinds), len(kinds)
+        self.template = templates(traced_kinds, kinds)
+        self.copies: Dict[int, List[int]] = {}
+        for j, t in enumerate(self.template):
+            self.copies.setdefault(t, []).append(j)
+        self.ordinal, self.by_ordinal = _ordinals(events, owner, traced_kinds)
+        self.ids: Dict[Tuple[int, int], int] = {}
+        self.source: Dict[int, int] = {}
+        self.out: List[Event] = []
+        self.after_ascending: Optional[bool] = None  # the direction of the last run of blocks
+
+    def instance(self, sid: int, tmpl: Optional[int], copy: Optional[int]) -> int:
+        o = self.owner.get(sid, -1)
+        if o < 0 or sid not in self.ordinal:
             key = (-1, sid)
         else:
             if tmpl is None:
-                mine = copies.get(o)
+                mine = self.copies.get(o)
                 if not mine:
                     raise CannotExpand(f"storage {sid} of block {o}, which no block copies, is used outside the blocks")
                 if len(mine) == 1:
                     inst = mine[0]
-                elif after_ascending[0] is None:
+                elif self.after_ascending is None:
                     raise CannotExpand(f"storage {sid} of block {o} is used outside the blocks")
                 else:  # after a forward run the copy nearest the end, after a backward run the first
-                    inst = mine[-1] if after_ascending[0] else mine[0]
+                    inst = mine[-1] if self.after_ascending else mine[0]
             else:
                 inst = copy + (o - tmpl)
-                if not 0 <= inst < depth or kinds[inst] != traced_kinds[o]:
+                if not 0 <= inst < self.depth or self.kinds[inst] != self.traced_kinds[o]:
                     raise CannotExpand(f"block {tmpl}'s events use storage {sid} of block {o}")
-            key = (inst, ordinal[sid])
-        new = ids.get(key)
+            key = (inst, self.ordinal[sid])
+        new = self.ids.get(key)
         if new is None:
-            new = ids[key] = len(ids) + 1
+            new = self.ids[key] = len(self.ids) + 1
             # Labels come from the traced storage of that place: the block that copy copies.
-            source[new] = sid if key[0] == -1 else by_ordinal.get((template[key[0]], key[1]), sid)
+            self.source[new] = sid if key[0] == -1 else self.by_ordinal.get((self.template[key[0]], key[1]), sid)
         return new
 
-    def every_block(seen: set) -> set:
+    def every_block(self, seen: set) -> set:
+        kinds = self.traced_kinds
         return {(o, n) for (o, n) in seen
-                if all((b, n) in seen for b in range(traced) if traced_kinds[b] == traced_kinds[o])}
+                if all((b, n) in seen for b in range(self.traced) if kinds[b] == kinds[o])}
 
-    def emit(start: int, end: int, tmpl: Optional[int], copy: Optional[int]) -> None:
+    def emit(self, start: int, end: int, tmpl: Optional[int], copy: Optional[int]) -> None:
+        events, owner, ordinal, kinds = self.events, self.owner, self.ordinal, self.traced_kinds
         every = set()
         if tmpl is None:
             # Outside the blocks, a storage of every traced block of a kind at once (autocast's
             # weight copies, freed together as it exits) is one of every block at the full depth.
-            every = every_block({(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end] if e[0] in ordinal})
-        elif len(copies.get(tmpl, ())) == 1:
+            every = self.every_block({(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end]
+                                      if e[0] in ordinal})
+        elif len(self.copies.get(tmpl, ())) == 1:
             # In an end block's run, frees of the same storage of every block of a kind at once (the
             # recomputed tensors checkpoint_wrapper's frames hold, let go as the first block's
             # backward ends) are that storage's free in every block at the full depth.
             freed = {(owner.get(e[0], -1), ordinal[e[0]]) for e in events[start:end] if e[0] in ordinal and not e[2]}
-            every = {(o, n) for (o, n) in every_block(freed) if any(b != tmpl for b in range(traced)
-                                                                   if traced_kinds[b] == traced_kinds[o])}
+            every = {(o, n) for (o, n) in self.every_block(freed)
+                     if any(b != tmpl for b in range(self.traced) if kinds[b] == kinds[o])}
         for sid, nbytes, allocated, phase, _ in events[start:end]:
             o = owner.get(sid, -1)
             if every and sid in ordinal and (o, ordinal[sid]) in every and (tmpl is None or not allocated):
-                for j in copies.get(o, []):
-                    out.append((instance(sid, o, j), nbytes, allocated, phase, -1 if copy is None else copy))
+                for j in self.copies.get(o, []):
+                    self.out.append((self.instance(sid, o, j), nbytes, allocated, phase, -1 if copy is None else copy))
                 continue
-            out.append((instance(sid, tmpl, copy), nbytes, allocated, phase, -1 if copy is None else copy))
+            self.out.append((self.instance(sid, tmpl, copy), nbytes, allocated, phase, -1 if copy is None else copy))
 
-    k = 0
-    while k < len(segments):
-        tag, start, end = segments[k]
-        if tag < 0:
-            emit(start, end, None, None)
-            k += 1
-            continue
-        chain = segments[k:k + traced]
-        tags = [seg[0] for seg in chain]
-        if tags == list(range(traced)):
-            order = range(depth)
-            after_ascending[0] = True
-        elif tags == list(range(traced - 1, -1, -1)):
-            order = range(depth - 1, -1, -1)
-            after_ascending[0] = False
-        else:
-            raise CannotExpand(f"a run of blocks {tags} at event {start}")
-        by_tag = {t: (s0, s1) for t, s0, s1 in chain}
-        for j in order:
-            s0, s1 = by_tag[template[j]]
-            emit(s0, s1, template[j], j)
-        k += traced
-    return out, source
+    def run(self) -> None:
+        segments, traced, depth = _segments(self.events), self.traced, self.depth
+        k = 0
+        while k < len(segments):
+            tag, start, end = segments[k]
+            if tag < 0:
+                self.emit(start, end, None, None)
+                k += 1
+                continue
+            chain = segments[k:k + traced]
+            tags = [seg[0] for seg in chain]
+            if tags == list(range(traced)):
+                order = range(depth)
+                self.after_ascending = True
+            elif tags == list(range(traced - 1, -1, -1)):
+                order = range(depth - 1, -1, -1)
+                self.after_ascending = False
+            else:
+                raise CannotExpand(f"a run of blocks {tags} at event {start}")
+            by_tag = {t: (s0, s1) for t, s0, s1 in chain}
+            for j in order:
+                s0, s1 = by_tag[self.template[j]]
+                self.emit(s0, s1, self.template[j], j)
+            k += traced
+
+
+def expand(events: Sequence[Event], owner: Dict[int, int], traced_kinds: Sequence[int],
+           kinds: Sequence[int]) -> Tuple[List[Event], Dict[int, int]]:
+    """The event stream of the stack ``kinds`` from one traced on the stack ``traced_kinds``
+    (chosen by :func:`choose`: every context of ``kinds`` is one of its blocks').
+
+    Segments of events with one block tag become one copy per block, each from the traced block of
+    its context; a storage a copy refers to is the copy of the block that made it.
+    ``owner``: storage id -> the block tag its allocation had (-1: none). Returns the new events and,
+    for each new storage id, the traced storage it copies (for its label).
+    """
+    expansion = _Expansion(events, owner, traced_kinds, kinds)
+    expansion.run()
+    return expansion.out, expansion.source

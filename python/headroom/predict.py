@@ -53,6 +53,22 @@ def _flags(**settings: Any) -> Dict[str, str]:
     return out
 
 
+
+def _estimate_module(model, inputs, config_settings_default: bool, **settings) -> Dict[str, Any]:
+    """:func:`estimate` of a ``torch.nn.Module``: its own step traced (:mod:`headroom.anymodel`).
+    ``config_settings_default``: the settings that apply to a config alone were left as they are."""
+    from .anymodel import estimate_model
+
+    if inputs is None:
+        raise ValueError("estimate(model, inputs): inputs are needed for a model: what it is called with "
+                         "(a dict for model(**inputs), a tensor, or a tuple), at the micro-batch size")
+    if not config_settings_default:
+        raise ValueError("estimate(model, ...): optimizer_impl, attention, shard, finetune, base_weights "
+                         "and offload apply to a config; a model's own attention, torch.optim's update, which of "
+                         "its parameters require grad (a peft model's) and the parallelism parallelize= applies "
+                         "are what its trace follows")
+    return estimate_model(model, inputs, **settings)
+
 def estimate(
     config: ConfigLike,
     inputs: Any = None,
@@ -115,22 +131,12 @@ def estimate(
     import torch
 
     if isinstance(config, torch.nn.Module):
-        from .anymodel import estimate_model
-
-        if inputs is None:
-            raise ValueError("estimate(model, inputs): inputs are needed for a model: what it is called with "
-                             "(a dict for model(**inputs), a tensor, or a tuple), at the micro-batch size")
-        if optimizer_impl != "torch" or attention != "flash" or shard != "none" or \
-                finetune != "full" or base_weights != "dense" or offload != "none":
-            raise ValueError("estimate(model, ...): optimizer_impl, attention, shard, finetune, base_weights "
-                             "and offload apply to a "
-                             "config; a model's own attention, torch.optim's update, which of its parameters "
-                             "require grad (a peft model's) and the parallelism parallelize= applies are what its "
-                             "trace follows")
-        return estimate_model(config, inputs, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                              checkpointing=checkpointing, device=device, accum=accum, world_size=world_size,
-                              rank=rank, parallelize=parallelize, mesh_shape=mesh_shape,
-                              mesh_dim_names=mesh_dim_names)
+        defaults = (optimizer_impl, attention, shard, finetune, base_weights, offload) == \
+            ("torch", "flash", "none", "full", "dense", "none")
+        return _estimate_module(config, inputs, defaults, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                                checkpointing=checkpointing, device=device, accum=accum, world_size=world_size,
+                                rank=rank, parallelize=parallelize, mesh_shape=mesh_shape,
+                                mesh_dim_names=mesh_dim_names)
     if parallelize is not None or rank != 0 or mesh_shape is not None or mesh_dim_names is not None:
         raise TypeError("parallelize, rank, mesh_shape and mesh_dim_names are for a torch.nn.Module (the user's "
                         "parallelism traced); a config's layout is world_size= and shard=")

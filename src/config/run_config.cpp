@@ -180,7 +180,10 @@ int64_t world_size_of(const RunConfig& c) {
   return (end != env && *end == '\0' && v >= 1) ? v : 1;  // a malformed one is the launch's error to give
 }
 
-void validate(const RunConfig& c) {
+namespace {
+
+// The numeric flags: sizes, rates and limits in their ranges.
+void check_numbers(const RunConfig& c) {
   auto positive = [](const char* flag, int64_t v) {
     if (v <= 0) fail("--{} must be positive, got {}", flag, v);
   };
@@ -206,6 +209,10 @@ void validate(const RunConfig& c) {
     fail("--dist-timeout must be 1 to 86400 seconds, got {}", c.dist_timeout);
   }
   if (c.memory_budget && *c.memory_budget <= 0) fail("--memory-budget must be positive, got {}", *c.memory_budget);
+}
+
+// When the run stops, fails on purpose or saves, and what it reads.
+void check_schedule(const RunConfig& c) {
   if (c.stop_at < 0 || c.stop_at > c.steps) fail("--stop-at must be in [1, --steps {}], got {}", c.steps, c.stop_at);
   if (c.inject_oom && c.inject_oom->step > c.end_step()) {
     fail("--inject-oom {}: step {} never runs (the run ends at step {}); accepted: a step from 1 to {}",
@@ -219,6 +226,10 @@ void validate(const RunConfig& c) {
          "model.safetensors, or model.safetensors.index.json and its shards)",
          c.weights);
   }
+}
+
+// The ranks' layout: pipeline stages x tensor-parallel x data-parallel, and the levers each excludes.
+void check_layout(const RunConfig& c) {
   if (c.pipeline.stages < 1 || c.pipeline.stages > 4096) {
     fail("--pipeline must be 1 to 4096 stages, got {}", c.pipeline.stages);
   }
@@ -249,6 +260,10 @@ void validate(const RunConfig& c) {
          "accepted: --loss full, or --shard optimizer or gradients",
          c.loss.name());
   }
+}
+
+// Fine-tuning's flags and the inputs that exclude each other.
+void check_finetune_and_inputs(const RunConfig& c) {
   if (c.base_weights == BaseWeights::nf4 && !c.finetune.is_lora()) {
     fail("--base-weights nf4 needs --finetune lora:r=R,... (the 4-bit base is frozen; only adapters train)");
   }
@@ -268,6 +283,15 @@ void validate(const RunConfig& c) {
   if (c.checkpoint_every > 0 && c.checkpoint.empty() && c.resume.empty()) {
     fail("--checkpoint-every needs --checkpoint DIR (where to write)");
   }
+}
+
+}  // namespace
+
+void validate(const RunConfig& c) {
+  check_numbers(c);
+  check_schedule(c);
+  check_layout(c);
+  check_finetune_and_inputs(c);
 }
 
 }  // namespace headroom

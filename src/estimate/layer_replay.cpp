@@ -51,55 +51,61 @@ void LayerReplay::construct_model() {
   shapes_ = std::make_unique<CausalLM>(
       c_, at::TensorOptions().device(at::kMeta).dtype(compute_dtype(s_.precision)), 0, CausalLM::KeepParameter{},
       s_.finetune, true, s_.base_weights, stage_);
-  const std::string w = fmt::format("{} B each", ew_);
-  for (const auto& np : shapes_->parameters()) {
-    if (params_.count(np.name) != 0) continue;  // a tied head repeats the embedding
-    Param prm;
-    prm.rows = np.tensor.size(0);
-    prm.cols = np.tensor.dim() == 2 ? np.tensor.size(1) : 0;
-    prm.t.numel = np.tensor.numel();
-    prm.t.elem = static_cast<int>(np.tensor.element_size());  // ew_, but an NF4 weight's codes and absmax
-    // A mixture of experts' weights and gradients are shown apart from the dense ones, frozen
-    // weights (--finetune) apart from trained ones, and LoRA's adapters apart from both.
-    const bool expert = np.name.find(".mlp.experts.") != std::string::npos;
-    const bool adapter = is_lora_parameter(np.name);
-    const bool trains = np.tensor.requires_grad();
-    if (expert && expert_weights_ < 0) {
-      expert_weights_ = mem_.label("expert weights", Category::weights, "the experts' parameters × " + w);
-      expert_grads_ = mem_.label("expert gradients", Category::gradients, "the experts' parameters × " + w);
-    }
-    if (!trains && !expert && frozen_weights_ < 0) {
-      frozen_weights_ = mem_.label("frozen weights", Category::weights,
-                                   "parameters without gradients or optimizer state (--finetune) × " + w);
-    }
-    if (adapter && adapter_weights_ < 0) {
-      const std::string r = std::to_string(s_.finetune.lora.r);
-      adapter_weights_ = mem_.label("LoRA adapters", Category::weights,
-                                    "r·(in + out) per adapted projection, r = " + r + ", × " + w);
-      adapter_grads_ = mem_.label("LoRA gradients", Category::gradients, "the adapters' parameters × " + w);
-    }
-    int weight_label = expert ? expert_weights_ : adapter ? adapter_weights_ : trains ? weights_ : frozen_weights_;
-    if (is_nf4_part(np.name)) {
-      weight_label = mem_.label("NF4 base weights", Category::weights,
-                                "--base-weights nf4: every projection in 4 bits (n/2 B) and a float32 absmax "
-                                "per 64 values");
-    }
-    // full: the parameter holds nothing between uses; the rank's slice is its weight (the gate's).
-    if (!gate_) prm.t.buf = mem_.allocate(prm.t.bytes(), weight_label);
-    if (trains) {
-      prm.t.slot = std::make_shared<sim::GradSlot>();
-      prm.t.slot->numel = prm.t.numel;
-      prm.t.slot->elem = ew_;
-      prm.t.slot->param_label = expert ? expert_grads_ : adapter ? adapter_grads_ : grads_;
-    }
-    params_.emplace(np.name, prm);
-    order_.push_back(np.name);
-  }
+  for (const auto& np : shapes_->parameters()) add_parameter(np);
   // A tied head is the embedding used a second time: two gradients arrive for it per backward (a
   // pipeline's first and last stages each use their own copy once).
   if (c_.tie_word_embeddings && stage_.embeddings && stage_.head && params_.at("embed_tokens.weight").t.slot) {
     params_.at("embed_tokens.weight").t.slot->uses = 2;
   }
+  replay_initialisation();
+}
+
+void LayerReplay::add_parameter(const NamedTensor& np) {
+  const std::string w = fmt::format("{} B each", ew_);
+  if (params_.count(np.name) != 0) return;  // a tied head repeats the embedding
+  Param prm;
+  prm.rows = np.tensor.size(0);
+  prm.cols = np.tensor.dim() == 2 ? np.tensor.size(1) : 0;
+  prm.t.numel = np.tensor.numel();
+  prm.t.elem = static_cast<int>(np.tensor.element_size());  // ew_, but an NF4 weight's codes and absmax
+  // A mixture of experts' weights and gradients are shown apart from the dense ones, frozen
+  // weights (--finetune) apart from trained ones, and LoRA's adapters apart from both.
+  const bool expert = np.name.find(".mlp.experts.") != std::string::npos;
+  const bool adapter = is_lora_parameter(np.name);
+  const bool trains = np.tensor.requires_grad();
+  if (expert && expert_weights_ < 0) {
+    expert_weights_ = mem_.label("expert weights", Category::weights, "the experts' parameters × " + w);
+    expert_grads_ = mem_.label("expert gradients", Category::gradients, "the experts' parameters × " + w);
+  }
+  if (!trains && !expert && frozen_weights_ < 0) {
+    frozen_weights_ = mem_.label("frozen weights", Category::weights,
+                                 "parameters without gradients or optimizer state (--finetune) × " + w);
+  }
+  if (adapter && adapter_weights_ < 0) {
+    const std::string r = std::to_string(s_.finetune.lora.r);
+    adapter_weights_ =
+        mem_.label("LoRA adapters", Category::weights, "r·(in + out) per adapted projection, r = " + r + ", × " + w);
+    adapter_grads_ = mem_.label("LoRA gradients", Category::gradients, "the adapters' parameters × " + w);
+  }
+  int weight_label = expert ? expert_weights_ : adapter ? adapter_weights_ : trains ? weights_ : frozen_weights_;
+  if (is_nf4_part(np.name)) {
+    weight_label = mem_.label("NF4 base weights", Category::weights,
+                              "--base-weights nf4: every projection in 4 bits (n/2 B) and a float32 absmax "
+                              "per 64 values");
+  }
+  // full: the parameter holds nothing between uses; the rank's slice is its weight (the gate's).
+  if (!gate_) prm.t.buf = mem_.allocate(prm.t.bytes(), weight_label);
+  if (trains) {
+    prm.t.slot = std::make_shared<sim::GradSlot>();
+    prm.t.slot->numel = prm.t.numel;
+    prm.t.slot->elem = ew_;
+    prm.t.slot->param_label = expert ? expert_grads_ : adapter ? adapter_grads_ : grads_;
+  }
+  params_.emplace(np.name, prm);
+  order_.push_back(np.name);
+}
+
+void LayerReplay::replay_initialisation() {
   // CausalLM initialises each parameter in a float32 copy, one at a time, in registration order:
   // nothing at the peak, but a caching allocator keeps the largest copy's segment.
   const int init = mem_.label("initialisation copies", Category::temporaries, "one float32 parameter at a time");

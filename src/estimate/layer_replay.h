@@ -75,6 +75,11 @@ class LayerReplay : protected sim::Ops {
   int64_t heads_ = 0, kv_heads_ = 0;  // the attention heads and key/value heads the replayed rank holds
 
  private:
+  // One of the model's parameters: its weight (by its kind's label) and, when it trains, its
+  // gradient slot.
+  void add_parameter(const NamedTensor& np);
+  // The parameters' initialisation copies (or --weights' reads), in the model's order.
+  void replay_initialisation();
   // The rotary tables: cos and sin, and the windowed layers' own (gemma3).
   struct Rope {
     sim::Tensor cos, sin, local_cos, local_sin;

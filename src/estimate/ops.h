@@ -177,6 +177,20 @@ class Ops {
   Ref blocked_mask(int64_t t, bool window);
   // [B, heads, T, hd] heads merged into [B, T, heads·hd] by CausalLM::attention.
   Tensor merge_heads(const Tensor& heads_out, int label);
+  // mixture_of_experts's pieces: its labels; the router's weights of each token's top-k experts
+  // (and the top-k indices, kept); the experts' gated MLPs over the gathered rows, joined.
+  struct ExpertLabels {
+    int logits, topk, gather, mlp, scatter;
+  };
+  struct Routing {
+    Tensor weights;
+    Ref indices;
+  };
+  ExpertLabels expert_labels();
+  Routing route(const Tensor& flat, const Param& router, int64_t count, int64_t top_k, bool normalise, bool stats,
+                int aux_label, const ExpertLabels& l);
+  Tensor run_experts(Tensor gathered, int64_t d, const std::vector<ExpertWeights>& experts,
+                     const std::vector<int64_t>& loads, bool gate_relu, int out_elem, const ExpertLabels& l);
 
   Memory mem_;
   Graph graph_;

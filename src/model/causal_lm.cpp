@@ -172,9 +172,6 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
     : config_(config), stage_(stage), finetune_(finetune), base_weights_(base_weights), options_(options), release_(static_cast<bool>(keep)), rotary_(config), local_rotary_(local_rotary_config(config)) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
-  const int64_t q_dim = c.num_heads * c.head_dim;
-  const int64_t kv_dim = c.num_kv_heads * c.head_dim;
-  const int64_t inter = c.intermediate_size;
   const bool layer_norm = c.norm == NormKind::layer_norm;
   if (base_weights_ == BaseWeights::nf4 && !stage_.whole(c.num_layers)) {
     fail("--base-weights nf4 with --pipeline or --tensor-parallel: not supported");
@@ -184,92 +181,21 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
     check_tensor_parallel(c, tp.ranks);
     if (finetune_.is_lora()) fail("--finetune {} with --tensor-parallel: not supported yet", finetune_.name());
   }
-  // Tensor parallel: this rank's query rows, key/value rows, inner columns and vocabulary rows.
-  const int64_t hd = c.head_dim;
-  const Span heads = tp.heads(c.num_heads), kv = tp.whole() ? Span{0, c.num_kv_heads} : tp.kv_heads(c);
-  heads_ = heads.size;
-  kv_heads_ = kv.size;
-  const Span q_rows{heads.begin * hd, heads.size * hd}, kv_rows{kv.begin * hd, kv.size * hd};
-  const Span inner = tp.share(inter), vocab = tp.vocab(c.vocab_size);
   if (stage_.end < 0) stage_.end = c.num_layers;
   TORCH_CHECK(stage_.first >= 0 && stage_.first < stage_.end && stage_.end <= c.num_layers,
               "CausalLM: stage layers [", stage_.first, ", ", stage_.end, ") outside the model's ", c.num_layers);
+  const Shares shares = shares_of(c, tp);
+  heads_ = shares.heads.size;
+  kv_heads_ = shares.kv_heads.size;
 
   // Allocate on the target device directly; init happens after, on CPU copies.
-  embed_ = add_param("embed_tokens.weight", {c.vocab_size, d}, 0, {vocab});
+  embed_ = add_param("embed_tokens.weight", {c.vocab_size, d}, 0, {shares.vocab});
   if (c.learned_positions) pos_embed_ = add_param("embed_positions.weight", {c.max_positions, d});
   layers_.resize(static_cast<size_t>(c.num_layers));
-  const bool pre_norms = c.norm_placement != NormPlacement::post;
-  const bool out_norms = c.norm_placement != NormPlacement::pre;
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    Layer& l = layers_[static_cast<size_t>(i)];
-    const std::string p = fmt::format("layers.{}.", i);
-    if (c.windowed(i)) l.window = c.sliding_window;
-    l.local_rope = c.windowed(i) && c.local_rope_theta.has_value();
-    l.rotary = c.rotated(i);
-    if (pre_norms) {
-      l.norm1_w = add_param(p + "input_norm.weight", {d});
-      if (layer_norm) l.norm1_b = add_param(p + "input_norm.bias", {d});
-    }
-    if (c.fused_qkv) {
-      // gpt_neox interleaves q, k and v per head; the others lay out all of q, then k, then v.
-      const std::vector<Span> qkv_rows =
-          c.family == Family::gpt_neox
-              ? std::vector<Span>{{heads.begin * 3 * hd, heads.size * 3 * hd}}
-              : std::vector<Span>{q_rows, {q_dim + kv_rows.begin, kv_rows.size}, {q_dim + kv_dim + kv_rows.begin, kv_rows.size}};
-      l.qkv_w = add_param(p + "attn.qkv.weight", {q_dim + 2 * kv_dim, d}, 0, qkv_rows);
-      if (c.qkv_bias) l.qkv_b = add_param(p + "attn.qkv.bias", {q_dim + 2 * kv_dim}, 0, qkv_rows);
-    } else {
-      l.q_w = add_param(p + "attn.q_proj.weight", {q_dim, d}, 0, {q_rows});
-      if (c.qkv_bias) l.q_b = add_param(p + "attn.q_proj.bias", {q_dim}, 0, {q_rows});
-      l.k_w = add_param(p + "attn.k_proj.weight", {kv_dim, d}, 0, {kv_rows});
-      if (c.qkv_bias) l.k_b = add_param(p + "attn.k_proj.bias", {kv_dim}, 0, {kv_rows});
-      l.v_w = add_param(p + "attn.v_proj.weight", {kv_dim, d}, 0, {kv_rows});
-      if (c.qkv_bias) l.v_b = add_param(p + "attn.v_proj.bias", {kv_dim}, 0, {kv_rows});
-    }
-    if (c.qk_norm != QkNorm::none) {
-      const bool per_head = c.qk_norm == QkNorm::per_head;
-      l.q_norm_w = add_param(p + "attn.q_norm.weight", {per_head ? c.head_dim : q_dim});
-      l.k_norm_w = add_param(p + "attn.k_norm.weight", {per_head ? c.head_dim : kv_dim});
-    }
-    l.o_w = add_param(p + "attn.o_proj.weight", {d, q_dim}, 1, {q_rows});
-    if (c.out_bias) l.o_b = add_param(p + "attn.o_proj.bias", {d});
-    if (out_norms) l.attn_out_norm_w = add_param(p + "attention_out_norm.weight", {d});
-    if (pre_norms) {
-      l.norm2_w = add_param(p + "post_attention_norm.weight", {d});
-      if (layer_norm) l.norm2_b = add_param(p + "post_attention_norm.bias", {d});
-    }
-    if (c.sparse(i)) {
-      const int64_t e_inter = c.moe->intermediate_size;
-      l.router_w = add_param(p + "mlp.router.weight", {c.moe->experts, d});
-      l.experts.resize(static_cast<size_t>(c.moe->experts));
-      for (int64_t e = 0; e < c.moe->experts; ++e) {
-        const std::string ep = fmt::format("{}mlp.experts.{}.", p, e);
-        Expert& x = l.experts[static_cast<size_t>(e)];
-        x.gate_w = add_param(ep + "gate_proj.weight", {e_inter, d});
-        x.up_w = add_param(ep + "up_proj.weight", {e_inter, d});
-        x.down_w = add_param(ep + "down_proj.weight", {d, e_inter});
-      }
-    } else {
-      if (c.fused_gate_up) {
-        l.gate_up_w = add_param(p + "mlp.gate_up_proj.weight", {2 * inter, d}, 0,
-                                {inner, {inter + inner.begin, inner.size}});
-      } else if (c.gated_mlp) {
-        l.gate_w = add_param(p + "mlp.gate_proj.weight", {inter, d}, 0, {inner});
-        if (c.mlp_bias) l.gate_b = add_param(p + "mlp.gate_proj.bias", {inter}, 0, {inner});
-      }
-      if (!c.fused_gate_up) {
-        l.up_w = add_param(p + "mlp.up_proj.weight", {inter, d}, 0, {inner});
-        if (c.mlp_bias) l.up_b = add_param(p + "mlp.up_proj.bias", {inter}, 0, {inner});
-      }
-      l.down_w = add_param(p + "mlp.down_proj.weight", {d, inter}, 1, {inner});
-      if (c.mlp_bias) l.down_b = add_param(p + "mlp.down_proj.bias", {d});
-    }
-    if (out_norms) l.mlp_out_norm_w = add_param(p + "mlp_out_norm.weight", {d});
-  }
+  for (int64_t i = 0; i < c.num_layers; ++i) add_layer(i, shares);
   final_norm_w_ = add_param("final_norm.weight", {d});
   if (layer_norm) final_norm_b_ = add_param("final_norm.bias", {d});
-  head_ = c.tie_word_embeddings ? embed_ : add_param("lm_head.weight", {c.vocab_size, d}, 0, {vocab});
+  head_ = c.tie_word_embeddings ? embed_ : add_param("lm_head.weight", {c.vocab_size, d}, 0, {shares.vocab});
   if (finetune_.is_lora()) add_adapters();
 
   if (base_weights_ == BaseWeights::nf4 && (!finetune_.is_lora() || keep)) {
@@ -282,6 +208,110 @@ CausalLM::CausalLM(const ModelConfig& config, const at::TensorOptions& options, 
   }
   std::erase_if(params_, [this](const NamedTensor& p) { return !holds(p.name); });
   mark_trainable();
+}
+
+CausalLM::Shares CausalLM::shares_of(const ModelConfig& c, const TensorSlice& tp) {
+  // Tensor parallel: this rank's query rows, key/value rows, inner columns and vocabulary rows.
+  const int64_t hd = c.head_dim;
+  const Span heads = tp.heads(c.num_heads), kv = tp.whole() ? Span{0, c.num_kv_heads} : tp.kv_heads(c);
+  return Shares{heads,
+                kv,
+                {heads.begin * hd, heads.size * hd},
+                {kv.begin * hd, kv.size * hd},
+                tp.share(c.intermediate_size),
+                tp.vocab(c.vocab_size)};
+}
+
+void CausalLM::add_layer(int64_t i, const Shares& shares) {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size;
+  const bool layer_norm = c.norm == NormKind::layer_norm;
+  const bool pre_norms = c.norm_placement != NormPlacement::post;
+  const bool out_norms = c.norm_placement != NormPlacement::pre;
+  Layer& l = layers_[static_cast<size_t>(i)];
+  const std::string p = fmt::format("layers.{}.", i);
+  if (c.windowed(i)) l.window = c.sliding_window;
+  l.local_rope = c.windowed(i) && c.local_rope_theta.has_value();
+  l.rotary = c.rotated(i);
+  if (pre_norms) {
+    l.norm1_w = add_param(p + "input_norm.weight", {d});
+    if (layer_norm) l.norm1_b = add_param(p + "input_norm.bias", {d});
+  }
+  add_attention(l, p, shares);
+  if (out_norms) l.attn_out_norm_w = add_param(p + "attention_out_norm.weight", {d});
+  if (pre_norms) {
+    l.norm2_w = add_param(p + "post_attention_norm.weight", {d});
+    if (layer_norm) l.norm2_b = add_param(p + "post_attention_norm.bias", {d});
+  }
+  if (c.sparse(i)) {
+    add_experts(l, p);
+  } else {
+    add_mlp(l, p, shares.inner);
+  }
+  if (out_norms) l.mlp_out_norm_w = add_param(p + "mlp_out_norm.weight", {d});
+}
+
+void CausalLM::add_attention(Layer& l, const std::string& p, const Shares& shares) {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size, hd = c.head_dim;
+  const int64_t q_dim = c.num_heads * hd, kv_dim = c.num_kv_heads * hd;
+  const Span q_rows = shares.q_rows, kv_rows = shares.kv_rows;
+  if (c.fused_qkv) {
+    // gpt_neox interleaves q, k and v per head; the others lay out all of q, then k, then v.
+    const std::vector<Span> qkv_rows =
+        c.family == Family::gpt_neox
+            ? std::vector<Span>{{shares.heads.begin * 3 * hd, shares.heads.size * 3 * hd}}
+            : std::vector<Span>{
+                  q_rows, {q_dim + kv_rows.begin, kv_rows.size}, {q_dim + kv_dim + kv_rows.begin, kv_rows.size}};
+    l.qkv_w = add_param(p + "attn.qkv.weight", {q_dim + 2 * kv_dim, d}, 0, qkv_rows);
+    if (c.qkv_bias) l.qkv_b = add_param(p + "attn.qkv.bias", {q_dim + 2 * kv_dim}, 0, qkv_rows);
+  } else {
+    l.q_w = add_param(p + "attn.q_proj.weight", {q_dim, d}, 0, {q_rows});
+    if (c.qkv_bias) l.q_b = add_param(p + "attn.q_proj.bias", {q_dim}, 0, {q_rows});
+    l.k_w = add_param(p + "attn.k_proj.weight", {kv_dim, d}, 0, {kv_rows});
+    if (c.qkv_bias) l.k_b = add_param(p + "attn.k_proj.bias", {kv_dim}, 0, {kv_rows});
+    l.v_w = add_param(p + "attn.v_proj.weight", {kv_dim, d}, 0, {kv_rows});
+    if (c.qkv_bias) l.v_b = add_param(p + "attn.v_proj.bias", {kv_dim}, 0, {kv_rows});
+  }
+  if (c.qk_norm != QkNorm::none) {
+    const bool per_head = c.qk_norm == QkNorm::per_head;
+    l.q_norm_w = add_param(p + "attn.q_norm.weight", {per_head ? hd : q_dim});
+    l.k_norm_w = add_param(p + "attn.k_norm.weight", {per_head ? hd : kv_dim});
+  }
+  l.o_w = add_param(p + "attn.o_proj.weight", {d, q_dim}, 1, {q_rows});
+  if (c.out_bias) l.o_b = add_param(p + "attn.o_proj.bias", {d});
+}
+
+void CausalLM::add_experts(Layer& l, const std::string& p) {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size, e_inter = c.moe->intermediate_size;
+  l.router_w = add_param(p + "mlp.router.weight", {c.moe->experts, d});
+  l.experts.resize(static_cast<size_t>(c.moe->experts));
+  for (int64_t e = 0; e < c.moe->experts; ++e) {
+    const std::string ep = fmt::format("{}mlp.experts.{}.", p, e);
+    Expert& x = l.experts[static_cast<size_t>(e)];
+    x.gate_w = add_param(ep + "gate_proj.weight", {e_inter, d});
+    x.up_w = add_param(ep + "up_proj.weight", {e_inter, d});
+    x.down_w = add_param(ep + "down_proj.weight", {d, e_inter});
+  }
+}
+
+void CausalLM::add_mlp(Layer& l, const std::string& p, const Span& inner) {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size, inter = c.intermediate_size;
+  if (c.fused_gate_up) {
+    l.gate_up_w =
+        add_param(p + "mlp.gate_up_proj.weight", {2 * inter, d}, 0, {inner, {inter + inner.begin, inner.size}});
+  } else if (c.gated_mlp) {
+    l.gate_w = add_param(p + "mlp.gate_proj.weight", {inter, d}, 0, {inner});
+    if (c.mlp_bias) l.gate_b = add_param(p + "mlp.gate_proj.bias", {inter}, 0, {inner});
+  }
+  if (!c.fused_gate_up) {
+    l.up_w = add_param(p + "mlp.up_proj.weight", {inter, d}, 0, {inner});
+    if (c.mlp_bias) l.up_b = add_param(p + "mlp.up_proj.bias", {inter}, 0, {inner});
+  }
+  l.down_w = add_param(p + "mlp.down_proj.weight", {d, inter}, 1, {inner});
+  if (c.mlp_bias) l.down_b = add_param(p + "mlp.down_proj.bias", {d});
 }
 
 void CausalLM::add_adapters() {

@@ -183,6 +183,16 @@ class CausalLM {
   at::Tensor region_param(const at::Tensor& p) const;
   // A norm between the blocks (or the final one), over region_param's weights.
   at::Tensor region_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
+  // Tensor parallel: this rank's rows and columns of the model's split dimensions (all of them without).
+  struct Shares {
+    Span heads, kv_heads, q_rows, kv_rows, inner, vocab;
+  };
+  static Shares shares_of(const ModelConfig& c, const TensorSlice& tp);
+  // Layer i's parameters: its norms, attention, and MLP or experts.
+  void add_layer(int64_t i, const Shares& shares);
+  void add_attention(Layer& l, const std::string& prefix, const Shares& shares);
+  void add_experts(Layer& l, const std::string& prefix);
+  void add_mlp(Layer& l, const std::string& prefix, const Span& inner);
   void add_adapters();
   void mark_trainable();
   // x through a projection (dense, or its NF4 weight when defined) and, when adapted, its LoRA adapter.

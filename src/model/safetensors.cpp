@@ -45,6 +45,68 @@ std::string accepted_dtypes() {
   return out;
 }
 
+// One tensor's header entry, checked against the `data_bytes` the file holds after its header.
+SafetensorsEntry parse_entry(const std::string& what, const std::string& path, const std::string& name,
+                             const nlohmann::json& e, int64_t data_bytes) {
+  auto bad = [&](const std::string& why) { fail("{} '{}': tensor '{}': {}", what, path, name, why); };
+  if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
+    bad("needs dtype, shape and data_offsets");
+  }
+  SafetensorsEntry entry;
+  entry.name = name;
+  if (!e["dtype"].is_string()) bad("dtype must be a string");
+  entry.dtype = e["dtype"].get<std::string>();
+  const DtypeRow* row = dtype_row(entry.dtype);
+  if (!row) bad(fmt::format("dtype '{}' is not supported; accepted: {}", entry.dtype, accepted_dtypes()));
+  if (!e["shape"].is_array()) bad("shape must be a list of sizes");
+  // The element count in floating point first: a lying shape must not overflow.
+  double elements = 1;
+  for (const auto& d : e["shape"]) {
+    if (!d.is_number_unsigned()) bad("shape must be a list of non-negative integers");
+    entry.shape.push_back(static_cast<int64_t>(std::min<uint64_t>(d.get<uint64_t>(), uint64_t{1} << 62)));
+    elements *= static_cast<double>(entry.shape.back());
+  }
+  const auto& offsets = e["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    bad("data_offsets must be two non-negative integers [begin, end]");
+  }
+  const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
+  if (begin > end || end > static_cast<uint64_t>(data_bytes)) {
+    bad(
+        fmt::format("data_offsets [{}, {}] lie outside the {} bytes of data (the file is truncated, or its header "
+                    "is wrong)",
+                    begin, end, data_bytes));
+  }
+  entry.begin = static_cast<int64_t>(begin);
+  entry.end = static_cast<int64_t>(end);
+  const double expected = elements * static_cast<double>(c10::elementSize(row->type));
+  if (expected != static_cast<double>(entry.end - entry.begin)) {
+    bad(fmt::format("shape {} of {} needs {:.0f} bytes, its offsets hold {}", e["shape"].dump(), entry.dtype, expected,
+                    entry.end - entry.begin));
+  }
+  return entry;
+}
+
+// Every byte of the data belongs to exactly one tensor (`entries` in the order of their offsets).
+void check_coverage(const std::string& what, const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                    int64_t data_bytes) {
+  int64_t at = 0;
+  for (const SafetensorsEntry& e : entries) {
+    if (e.begin != at) {
+      fail(
+          "{} '{}': tensor '{}' starts at byte {} of the data, where {} was expected (tensors overlap or leave a "
+          "hole)",
+          what, path, e.name, e.begin, at);
+    }
+    at = e.end;
+  }
+  if (at != data_bytes) {
+    fail("{} '{}': the tensors cover {} bytes of data, the file holds {} (truncated, or trailing bytes)", what, path,
+         at, data_bytes);
+  }
+}
+
 }  // namespace
 
 at::ScalarType safetensors_scalar_type(const std::string& dtype) {
@@ -93,60 +155,11 @@ SafetensorsFile SafetensorsFile::open(const std::string& path, const std::string
       }
       continue;
     }
-    auto bad = [&](const std::string& why) { fail("{} '{}': tensor '{}': {}", what, path, name, why); };
-    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
-      bad("needs dtype, shape and data_offsets");
-    }
-    SafetensorsEntry entry;
-    entry.name = name;
-    if (!e["dtype"].is_string()) bad("dtype must be a string");
-    entry.dtype = e["dtype"].get<std::string>();
-    const DtypeRow* row = dtype_row(entry.dtype);
-    if (!row) bad(fmt::format("dtype '{}' is not supported; accepted: {}", entry.dtype, accepted_dtypes()));
-    if (!e["shape"].is_array()) bad("shape must be a list of sizes");
-    // The element count in floating point first: a lying shape must not overflow.
-    double elements = 1;
-    for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned()) bad("shape must be a list of non-negative integers");
-      entry.shape.push_back(static_cast<int64_t>(std::min<uint64_t>(d.get<uint64_t>(), uint64_t{1} << 62)));
-      elements *= static_cast<double>(entry.shape.back());
-    }
-    const auto& offsets = e["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned()) {
-      bad("data_offsets must be two non-negative integers [begin, end]");
-    }
-    const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
-    if (begin > end || end > static_cast<uint64_t>(data_bytes)) {
-      bad(fmt::format("data_offsets [{}, {}] lie outside the {} bytes of data (the file is truncated, or its header "
-                      "is wrong)",
-                      begin, end, data_bytes));
-    }
-    entry.begin = static_cast<int64_t>(begin);
-    entry.end = static_cast<int64_t>(end);
-    const double expected = elements * static_cast<double>(c10::elementSize(row->type));
-    if (expected != static_cast<double>(entry.end - entry.begin)) {
-      bad(fmt::format("shape {} of {} needs {:.0f} bytes, its offsets hold {}", e["shape"].dump(), entry.dtype,
-                      expected, entry.end - entry.begin));
-    }
-    f.entries_.push_back(std::move(entry));
+    f.entries_.push_back(parse_entry(what, path, name, e, data_bytes));
   }
   std::sort(f.entries_.begin(), f.entries_.end(),
             [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin || (a.begin == b.begin && a.end < b.end); });
-  // Every byte of the data belongs to exactly one tensor.
-  int64_t at = 0;
-  for (const SafetensorsEntry& e : f.entries_) {
-    if (e.begin != at) {
-      fail("{} '{}': tensor '{}' starts at byte {} of the data, where {} was expected (tensors overlap or leave a "
-           "hole)",
-           what, path, e.name, e.begin, at);
-    }
-    at = e.end;
-  }
-  if (at != data_bytes) {
-    fail("{} '{}': the tensors cover {} bytes of data, the file holds {} (truncated, or trailing bytes)", what, path,
-         at, data_bytes);
-  }
+  check_coverage(what, path, f.entries_, data_bytes);
   return f;
 }
 

@@ -77,17 +77,13 @@ bool trainable_where(OptimizerKind optimizer, Offload offload, bool cuda) {
   return !(cuda && optimizer == OptimizerKind::adamw8bit && !offloads_optimizer(offload));
 }
 
-std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& model) {
-  std::vector<LeverChange> out;
-  // The flags of a change are what the field table writes for it on top of the configuration.
-  auto add = [&](Lever lever, std::string setting, std::string note, std::function<void(RunConfig&)> apply) {
-    RunConfig changed = cfg;
-    apply(changed);
-    // Train would refuse it.
-    const int64_t data_ranks = world_size_of(changed) / (changed.pipeline.stages * changed.tensor_parallel);
-    if (!levers_combine(changed, model, data_ranks)) return;
-    out.push_back({lever, std::move(setting), shell_line(run_args(changed, cfg)), std::move(note), std::move(apply)});
-  };
+namespace {
+
+// A lever's change: its name, the setting, a note, and how it changes the configuration.
+using AddChange = std::function<void(Lever, std::string, std::string, std::function<void(RunConfig&)>)>;
+
+// The levers that change how the step computes: accumulation, precision, checkpointing, attention.
+void add_step_changes(const RunConfig& cfg, const ModelConfig& model, const AddChange& add) {
   for (int64_t div : {2, 4}) {
     if (cfg.batch / div < 1 || cfg.batch % div != 0) continue;
     const int64_t micro = cfg.batch / div, accum = cfg.accum * div;
@@ -117,6 +113,10 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
         a == AttentionPath::math ? "the explicit path keeps the seq x seq scores" : "fused SDPA",
         [a](RunConfig& c) { c.attention = a; });
   }
+}
+
+// The levers that change what is kept and where: the optimizer, offload, the loss, the base weights.
+void add_state_changes(const RunConfig& cfg, const AddChange& add) {
   for (OptimizerKind o : {OptimizerKind::adafactor, OptimizerKind::sgd, OptimizerKind::adam, OptimizerKind::adamw}) {
     if (o == cfg.optimizer) continue;
     std::string note = "changes the training dynamics";
@@ -156,6 +156,23 @@ std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& 
         "the frozen projections in 4-bit NF4 (QLoRA): about 0.56 B a value, dequantised a layer at a time",
         [](RunConfig& c) { c.base_weights = BaseWeights::nf4; });
   }
+}
+
+}  // namespace
+
+std::vector<LeverChange> lever_changes(const RunConfig& cfg, const ModelConfig& model) {
+  std::vector<LeverChange> out;
+  // The flags of a change are what the field table writes for it on top of the configuration.
+  auto add = [&](Lever lever, std::string setting, std::string note, std::function<void(RunConfig&)> apply) {
+    RunConfig changed = cfg;
+    apply(changed);
+    // Train would refuse it.
+    const int64_t data_ranks = world_size_of(changed) / (changed.pipeline.stages * changed.tensor_parallel);
+    if (!levers_combine(changed, model, data_ranks)) return;
+    out.push_back({lever, std::move(setting), shell_line(run_args(changed, cfg)), std::move(note), std::move(apply)});
+  };
+  add_step_changes(cfg, model, add);
+  add_state_changes(cfg, add);
   return out;
 }
 

@@ -48,19 +48,19 @@ inline std::vector<GridFamily> grid_families() {
           {"smollm3", "smollm3-3b", {"num_hidden_layers=2", "no_rope_layers=[1,0]"}}};
 }
 
-// The configurations of one family. The three small models get eight, the larger two four and three,
-// with lighter optimizers and fewer tokens where their size would make the test slow or heavy
-// (mistral's single layer has 480M parameters).
-inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
-  struct Variant {
-    int64_t batch, seq, accum;
-    const char *precision, *attention, *optimizer, *checkpointing;
-    const char* finetune = "full";
-    const char* offload = "none";
-    const char* base_weights = "dense";
-    const char* loss = "full";
-  };
-  std::vector<Variant> variants = {
+// One configuration of a family's accuracy grid.
+struct GridVariant {
+  int64_t batch, seq, accum;
+  const char *precision, *attention, *optimizer, *checkpointing;
+  const char* finetune = "full";
+  const char* offload = "none";
+  const char* base_weights = "dense";
+  const char* loss = "full";
+};
+
+// The grid's variants of one family: eight by default; per family those its size allows.
+inline std::vector<GridVariant> grid_variants(const GridFamily& family) {
+  std::vector<GridVariant> variants = {
       {4, 32, 1, "fp32", "flash", "adamw", "none"},           {2, 64, 1, "fp32", "math", "sgd", "none"},
       {2, 32, 1, "bf16-mixed", "flash", "adam", "selective"}, {2, 32, 1, "fp16-mixed", "math", "momentum", "full"},
       {2, 32, 1, "bf16", "flash", "adafactor", "every:2"},    {8, 16, 2, "fp32", "flash", "adagrad", "none"},
@@ -136,8 +136,15 @@ inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
     variants.push_back({2, 32, 1, "bf16-mixed", "flash", "adamw", "none", "freeze:embed_tokens.weight,layers.0.*"});
     variants.push_back({2, 32, 2, "fp32", "flash", "adamw", "ops"});
   }
+  return variants;
+}
+
+// The configurations of one family. The three small models get eight, the larger two four and three,
+// with lighter optimizers and fewer tokens where their size would make the test slow or heavy
+// (mistral's single layer has 480M parameters).
+inline std::vector<RunConfig> accuracy_grid(const GridFamily& family) {
   std::vector<RunConfig> grid;
-  for (const auto& v : variants) {
+  for (const GridVariant& v : grid_variants(family)) {
     RunConfig cfg;
     cfg.model = family.preset;
     cfg.overrides = family.overrides;

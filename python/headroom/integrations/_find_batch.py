@@ -36,7 +36,7 @@ import collections.abc
 import logging
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import lightning
 import torch
@@ -229,17 +229,42 @@ class FindBatch(lightning.Callback):
 
         return dict(predict=predict)
 
-    def _search(self, trainer, pl_module) -> None:
-        device = pl_module.device
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"FindBatch on {device}: accepted: cpu (under a headroom.cpu_budget) or cuda")
-        cuda = device.type == "cuda"
+    def _given_budget(self, cuda: bool) -> Optional[int]:
+        """The budget given, or on the cpu the headroom.cpu_budget in force (cuda: None, the free memory)."""
         budget = self.budget_bytes
         if budget is None and not cuda:
             budget = _core.cpu_budget()
             if budget is None:
                 raise ValueError("FindBatch on the cpu needs a budget: accepted: FindBatch(budget='8GiB') or a "
                                  "headroom.cpu_budget in force")
+        return budget
+
+    def _limit(self, trainer, pl_module) -> int:
+        """The largest batch tried: the limit, or the dataset's length when it has one."""
+        limit = self.limit
+        loader = self._loader(trainer, pl_module, 1)
+        try:
+            limit = max(1, min(limit, len(loader.dataset)))
+        except (AttributeError, TypeError):  # no dataset, or one without a length: short batches say
+            pass
+        return limit
+
+    def _batch_maker(self, trainer, pl_module) -> Callable[[int], Any]:
+        """A batch of n rows from the loader, refused when it has fewer."""
+        def make_batch(n: int) -> Any:
+            batch = self._first_batch(trainer, pl_module, n)
+            rows = _rows(batch)
+            if rows < n:
+                raise _ShortBatch(f"the loader gave {rows} rows for a batch of {n}")
+            return batch
+        return make_batch
+
+    def _search(self, trainer, pl_module) -> None:
+        device = pl_module.device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"FindBatch on {device}: accepted: cpu (under a headroom.cpu_budget) or cuda")
+        cuda = device.type == "cuda"
+        budget = self._given_budget(cuda)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, if any
 
@@ -257,13 +282,7 @@ class FindBatch(lightning.Callback):
             pl_module.train()
             pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
 
-            limit = self.limit
-            loader = self._loader(trainer, pl_module, 1)
-            try:
-                limit = max(1, min(limit, len(loader.dataset)))
-            except (AttributeError, TypeError):  # no dataset, or one without a length: short batches say
-                pass
-            del loader
+            limit = self._limit(trainer, pl_module)
             probe = self._first_batch(trainer, pl_module, 1)
             seeding = self._seeding(trainer, pl_module, optimizer, probe, str(device))
             del probe
@@ -272,23 +291,7 @@ class FindBatch(lightning.Callback):
             if cuda and budget is None:
                 budget = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
 
-            def make_batch(n: int) -> Any:
-                batch = self._first_batch(trainer, pl_module, n)
-                rows = _rows(batch)
-                if rows < n:
-                    raise _ShortBatch(f"the loader gave {rows} rows for a batch of {n}")
-                return batch
-
-            def step_fn(batch: Any) -> torch.Tensor:
-                with trainer.precision_plugin.train_step_context():
-                    out = pl_module.training_step(batch, 0)
-                if isinstance(out, collections.abc.Mapping):
-                    out = out.get("loss")
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"FindBatch: training_step returned {type(out).__name__}: accepted: the loss, "
-                                    "or a dict holding it as 'loss'")
-                return out
-
+            make_batch, step_fn = self._batch_maker(trainer, pl_module), _step_fn(trainer, pl_module)
             # The trials measure the steps that follow the first, whose update has made the optimizer's
             # state: when it holds none yet, one update at batch 1 makes it first (undone afterwards).
             self.steps = 0
@@ -371,3 +374,17 @@ class FindBatch(lightning.Callback):
         # Lightning's bound log and log_dict: the module is not kept alive by this callback.
         self.__dict__.pop("log", None)
         self.__dict__.pop("log_dict", None)
+
+
+def _step_fn(trainer, pl_module) -> Callable[[Any], torch.Tensor]:
+    """The module's training_step under the trainer's precision: its loss."""
+    def step_fn(batch: Any) -> torch.Tensor:
+        with trainer.precision_plugin.train_step_context():
+            out = pl_module.training_step(batch, 0)
+        if isinstance(out, collections.abc.Mapping):
+            out = out.get("loss")
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"FindBatch: training_step returned {type(out).__name__}: accepted: the loss, "
+                            "or a dict holding it as 'loss'")
+        return out
+    return step_fn
