@@ -397,12 +397,23 @@ class _NeedsValues(Exception):
     pass
 
 
-def _prefixed(e: Exception, what: str) -> Exception:
-    """The model's own error, of its own type where that can be made, said with what headroom was doing."""
+def _prefixed(e: Exception, what: str, after: str = "") -> Exception:
+    """The model's own error, of its own type where that can be made, said with what headroom was doing
+    (and, ``after`` it, a known cause)."""
     try:
-        return type(e)(what + str(e))
+        return type(e)(what + str(e) + after)
     except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-        return RuntimeError(what + f"{type(e).__name__}: {e}")
+        return RuntimeError(what + f"{type(e).__name__}: {e}" + after)
+
+
+def _known_cause(e: Exception, model) -> str:
+    """What is known to cause the model's error: on torch 2.15 selective checkpointing's recompute
+    replays the forward's decisions, and a KV cache filled in the forward makes it differ."""
+    if "not found in storage" in str(e) and getattr(getattr(model, "config", None), "use_cache", False):
+        return ("; the model's config has use_cache=True: the KV cache its forward fills makes selective "
+                "checkpointing's recompute differ from that forward (torch 2.15 replays it strictly); set "
+                "model.config.use_cache = False for training")
+    return ""
 
 
 def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, allocator_conf,
@@ -455,7 +466,7 @@ def _estimate_model(model, inputs, loss_fn, optimizer, precision, checkpointing,
         raise _NeedsValues(f"{getattr(e, 'func', None) or type(e).__name__} needs values") from e
     except Exception as e:  # noqa: BLE001 - the model's own error, said with what headroom was doing
         raise _prefixed(e, f"headroom.estimate: tracing {name}'s training step on "
-                           f"{'fake' if fake else 'real'} tensors: ") from e
+                           f"{'fake' if fake else 'real'} tensors: ", _known_cause(e, model)) from e
     events, labels, step_begin, flops = t.events, t.labels, t.step_begin, t.flops * accum // traced_accum
     out = _result(events, labels, step_begin, name, total, device, allocator_conf)
     out["flops_per_step"] = int(flops)  # forward and backward (with recompute) of the accum micro-batches
