@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 
 from . import _core
 from .blocks import Blocks, CannotExpand, choose, expand, templates, with_ends
+from .eager_paths import eager_masks
 from .step import OptimizerLike, UsageError, check_settings, make_optimizer, prepared, run_steps
 from .trace import PHASES, Event, StorageTrace
 from .world import Parallelize, ParallelizeError, World, fake_world, local
@@ -183,8 +184,9 @@ def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, dev
 
         after_phase = _phase_marks(model, world, trace, cats, block_of_param, params, opt)
 
-        with prepared(model, checkpointing, blocks.modules), blocks.marked(trace) if blocks.modules is not None \
-                else contextlib.nullcontext(), fake_mode, trace, trace.resizes():
+        with eager_masks(inputs), prepared(model, checkpointing, blocks.modules), \
+                blocks.marked(trace) if blocks.modules is not None else contextlib.nullcontext(), fake_mode, trace, \
+                trace.resizes():
             run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, _collected(trace),
                       after_forward=_logits_mark(cats), after_phase=after_phase, backward=trace.backward)
             step_end = len(trace.events)  # what is freed after the last step is not the step's

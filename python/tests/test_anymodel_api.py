@@ -180,3 +180,44 @@ def test_accumulation_traces_two_micro_batches_and_holds_for_four():
     assert four["peak_bytes"] > one["peak_bytes"]
     assert abs(four["peak_bytes"] / run["peak_bytes"] - 1) < 0.01, (four["peak_bytes"], run["peak_bytes"])
     assert four["flops_per_step"] == 4 * one["flops_per_step"]
+
+
+def measured_llama_step(config, inputs):
+    """A plain loop's peak over two steps (bf16 weights, AdamW), above what was live before the model."""
+    import gc
+    gc.collect()
+    start = headroom._core.cpu_live_bytes()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peak = 0
+    for _ in range(2):
+        headroom._core.reset_cpu_peak()
+        loss = model(**inputs).loss
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        peak = max(peak, headroom._core.cpu_peak_bytes() - start)
+    return peak
+
+
+@pytest.mark.parametrize("positions", ["derived", "passed", "packed"])
+def test_a_model_without_a_kv_cache_is_traced_on_the_path_its_step_takes(positions):
+    # Without a KV cache or an attention mask, transformers asks whether the position ids pack
+    # several sequences into a row; on fake tensors it skips the question and builds a mask every
+    # layer keeps, which the real step (one sequence a row) does not. The trace answers as the real
+    # step does: no mask for positions the model derives or an arange passed, the mask for packed ones.
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=1536, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, use_cache=False)
+    tokens = ids(2, 512, 1000)
+    inputs = {"input_ids": tokens, "labels": tokens}
+    if positions == "passed":
+        inputs["position_ids"] = torch.arange(512).unsqueeze(0).expand(2, -1)
+    if positions == "packed":
+        inputs["position_ids"] = torch.cat([torch.arange(256), torch.arange(256)]).unsqueeze(0).expand(2, -1)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    est = headroom.estimate(model, inputs, precision="bf16")["peak_bytes"]
+    real = measured_llama_step(config, inputs)
+    assert abs(est / real - 1) <= 0.001, (positions, est, real)
