@@ -112,7 +112,6 @@ struct Case {
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.op << ": " << c.description; }
 
-at::TensorOptions f32(bool grad = true) { return at::TensorOptions().dtype(at::kFloat).requires_grad(grad); }
 at::Tensor leaf(std::vector<int64_t> shape, at::ScalarType dtype = at::kFloat) {
   return at::randn(shape, at::TensorOptions().dtype(dtype)).requires_grad_(true);
 }

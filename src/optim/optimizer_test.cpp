@@ -189,8 +189,12 @@ TEST(Optimizers, EachParameterKeepsItsOwnStepCount) {
     b.mutable_grad() = at::ones({2, 2});
     opt->step(0.1);
     for (const auto& s : opt->state()) {
-      if (s.name == "a.step") EXPECT_EQ(s.tensor.item<float>(), 1.0f) << optimizer_name(kind);
-      if (s.name == "b.step") EXPECT_EQ(s.tensor.item<float>(), 4.0f) << optimizer_name(kind);
+      if (s.name == "a.step") {
+        EXPECT_EQ(s.tensor.item<float>(), 1.0f) << optimizer_name(kind);
+      }
+      if (s.name == "b.step") {
+        EXPECT_EQ(s.tensor.item<float>(), 4.0f) << optimizer_name(kind);
+      }
     }
   }
 }

@@ -105,7 +105,9 @@ TEST_P(PythonProtocols, ReadsEveryPlainValueAsPythonWroteIt) {
   });
   EXPECT_EQ(d.text(*d.get(both[1], "filename")), "train.py");
   EXPECT_EQ(d.integer(*d.get(both[1], "line")), 42);
-  if (GetParam() >= 1) EXPECT_EQ(both[0], both[1]) << "the memo shares one dict, as Python's pickle does";
+  if (GetParam() >= 1) {
+    EXPECT_EQ(both[0], both[1]) << "the memo shares one dict, as Python's pickle does";
+  }
   const Ref nested = *d.get(*d.get(*d.get(root, "nested"), "a"), "b");
   EXPECT_EQ(d.size(nested), 2u);
   EXPECT_FALSE(d.get(root, "missing"));

@@ -79,7 +79,9 @@ TEST_P(EveryFamilyLearns, HeldOutLossFalls) {
                                                << r.summary.eval_loss;
   // A mixture of experts reports the skew of its routing each step.
   EXPECT_EQ(r.steps.back().routing_skew.has_value(), GetParam().load().moe.has_value());
-  if (r.summary.routing_skew) EXPECT_GE(*r.summary.routing_skew, 1.0);
+  if (r.summary.routing_skew) {
+    EXPECT_GE(*r.summary.routing_skew, 1.0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, EveryFamilyLearns, ::testing::ValuesIn(testing::shrunk_models()),
