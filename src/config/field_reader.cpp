@@ -87,14 +87,18 @@ std::optional<RopeScaling> rope_scaling_from(const json& s, const std::string& o
   return rs;
 }
 
-void read_decoder_core(FieldReader& r, ModelConfig& c, const std::string& origin, double default_theta,
-                       const char* activation_key) {
+void read_sizes(FieldReader& r, ModelConfig& c) {
   c.vocab_size = r.integer("vocab_size");
   c.hidden_size = r.integer("hidden_size");
   c.num_layers = r.integer("num_hidden_layers");
   c.num_heads = r.integer("num_attention_heads");
   c.intermediate_size = r.integer("intermediate_size");
   c.max_positions = r.integer("max_position_embeddings");
+}
+
+void read_decoder_core(FieldReader& r, ModelConfig& c, const std::string& origin, double default_theta,
+                       const char* activation_key) {
+  read_sizes(r, c);
   c.num_kv_heads = r.integer_or("num_key_value_heads", c.num_heads);
   c.head_dim = r.integer_or("head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
   c.norm = NormKind::rms_norm;

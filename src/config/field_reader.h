@@ -90,6 +90,10 @@ class FieldReader {
   std::set<std::string> used_;
 };
 
+// The sizes every decoder's config.json names alike: vocab_size, hidden_size, num_hidden_layers,
+// num_attention_heads, intermediate_size, max_position_embeddings.
+void read_sizes(FieldReader& r, ModelConfig& c);
+
 Activation parse_activation(const std::string& name, const std::string& origin);
 // A rotary setting from rope_parameters (transformers 5), else `fallback`.
 double rope_parameter(FieldReader& r, const char* key, double fallback, const std::string& origin);

@@ -79,12 +79,7 @@ void read_gpt2(FieldReader& r, ModelConfig& c, const std::string& origin) {
 }
 
 void read_gpt_neox(FieldReader& r, ModelConfig& c, const std::string& origin) {
-  c.vocab_size = r.integer("vocab_size");
-  c.hidden_size = r.integer("hidden_size");
-  c.num_layers = r.integer("num_hidden_layers");
-  c.num_heads = r.integer("num_attention_heads");
-  c.intermediate_size = r.integer("intermediate_size");
-  c.max_positions = r.integer("max_position_embeddings");
+  read_sizes(r, c);
   c.num_kv_heads = c.num_heads;
   c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
   c.norm = NormKind::layer_norm;
