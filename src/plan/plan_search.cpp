@@ -1,6 +1,7 @@
 // The planner's bound-first search (fastest_fitting_plans, plan/planner.h): candidates taken in the
-// order of a bound on their step time, each settled by its micro-batch family's estimates, until
-// none left could beat the fastest found; those are then estimated exactly.
+// order of a bound on their step time, each settled by its micro-batch family's estimates and its
+// layout's with full checkpointing, until none left could beat the fastest found; those are then
+// estimated exactly.
 #include <algorithm>
 #include <limits>
 #include <map>
@@ -13,19 +14,42 @@ namespace headroom {
 
 namespace {
 
-// A family: the candidates that differ only in the micro-batch (and so the accumulation). A step's
-// peak grows with its micro-batch, so one that does not fit settles every larger one, and one that
-// fits every smaller one.
+constexpr size_t kNone = SIZE_MAX;
+
+// A family: the candidates that differ only in the micro-batch (and so the accumulation), with as
+// many micro-batches in flight. A step's peak grows with its micro-batch, so one that does not fit
+// settles every larger one, and one that fits every smaller one. The peak shrinks with
+// checkpointing, full checkpointing keeping the least (each layer's input, and one layer's
+// activations at a time): a micro-batch that does not fit with it, by a margin (others_margin),
+// fits with no other policy of the same layout (`lighter`, the family with full checkpointing,
+// settles those).
 struct MicroBatchFamily {
   int64_t fits_up_to = 0;
   int64_t fails_from = INT64_MAX;
-  std::vector<size_t> members;  // by micro-batch, ascending
+  int64_t others_fail_from = INT64_MAX;  // full checkpointing: the micro-batches too large for any policy
+  std::vector<size_t> members;           // by micro-batch, ascending
+  size_t lighter = kNone;                // the same layout with full checkpointing, where this is not it
 };
+
+// How far above the limit full checkpointing must peak to settle the other policies. Recomputing a
+// layer costs its activations again in backward; on a pipeline stage of few layers and few
+// micro-batches that can outweigh what checkpointing saves (up to 12% in planner_test's grid), so a
+// pipeline's other policies are settled only well above it. One process holds every layer: none.
+double others_margin(const TrainSpec& spec) { return spec.pipeline.stages > 1 ? 1.25 : 1.0; }
 
 std::string family_key(const TrainSpec& spec) {
   Plan p = plan_of_spec(spec);
-  p.batch = p.accum = 0;
+  p.batch = 0;
+  // As many micro-batches in flight: one, two (the second sees the first's gradients), or on a
+  // pipeline's stage s min(accum, P - s), the step replaying min(accum, P - s + 1).
+  p.accum = std::min(p.accum, spec.pipeline.stages + 1);
   return p.to_json().dump();
+}
+
+// The family's with full checkpointing in its place.
+std::string lighter_key(TrainSpec spec) {
+  spec.checkpointing = CheckpointPolicy::full();
+  return family_key(spec);
 }
 
 // Whether a candidate's bound is its step time: nothing its estimate tells (the pipeline's cut, the
@@ -52,7 +76,10 @@ bool faster(const Found& a, const Found& b) {
 class BoundFirstSearch {
  public:
   BoundFirstSearch(const PlanRequest& r, const CostModel& cost)
-      : r_(r), s_(search_of(r)), cost_(cost), candidates_(candidates_of(r, s_.model, s_.base)),
+      : r_(r),
+        s_(search_of(r)),
+        cost_(cost),
+        candidates_(candidates_of(r, s_.model, s_.base)),
         want_(static_cast<size_t>(std::max<int64_t>(r.best_only, 1))) {
     const size_t n = candidates_.size();
     out_.smallest_peak = -1;
@@ -74,6 +101,11 @@ class BoundFirstSearch {
     std::stable_sort(order_.begin(), order_.end(), [&](size_t a, size_t b) { return bound_[a] < bound_[b]; });
     families_.resize(by_key.size());
     for (size_t i = 0; i < n; ++i) families_[family_[i]].members.push_back(i);
+    for (size_t i = 0; i < n; ++i) {
+      if (candidates_[i].checkpointing == CheckpointPolicy::full()) continue;
+      const auto lighter = by_key.find(lighter_key(candidates_[i]));
+      if (lighter != by_key.end()) families_[family_[i]].lighter = lighter->second;
+    }
     for (MicroBatchFamily& f : families_) {
       std::sort(f.members.begin(), f.members.end(),
                 [&](size_t a, size_t b) { return candidates_[a].batch < candidates_[b].batch; });
@@ -103,9 +135,16 @@ class BoundFirstSearch {
     return found_[want_ - 1].plan.predicted_step_seconds;
   }
 
+  // The smallest micro-batch known not to fit in candidate i's family, by its own estimates or its
+  // lighter family's.
+  int64_t fails_from(size_t i) const { return fails_from(families_[family_[i]]); }
+  int64_t fails_from(const MicroBatchFamily& f) const {
+    return f.lighter == kNone ? f.fails_from : std::min(f.fails_from, families_[f.lighter].others_fail_from);
+  }
+
   bool settled(size_t i) const {
     const MicroBatchFamily& f = families_[family_[i]];
-    return candidates_[i].batch >= f.fails_from || estimated_[i] ||
+    return candidates_[i].batch >= fails_from(i) || estimated_[i] ||
            (candidates_[i].batch <= f.fits_up_to && bound_is_exact(candidates_[i]));
   }
 
@@ -115,7 +154,7 @@ class BoundFirstSearch {
     for (double limit = kth(); at_ < candidates_.size() && bound_[order_[at_]] <= limit; ++at_) {
       const size_t i = order_[at_];
       if (!settled(i)) return;
-      if (estimated_[i] || candidates_[i].batch >= families_[family_[i]].fails_from) continue;
+      if (estimated_[i] || candidates_[i].batch >= fails_from(i)) continue;
       Plan p = plan_of_spec(candidates_[i]);
       cost_step(p, r_, s_.model, cost_, s_.base.cuda, /*bound=*/false);
       found_.push_back({p, i, false});
@@ -124,15 +163,28 @@ class BoundFirstSearch {
   }
 
   // What settles candidate i: its own estimate where its family knows it fits but its bound is not
-  // its time; else the family's smallest micro-batch while nothing is known of it (one estimate
-  // settles a family none of whose micro-batches fit), then the middle of those still unknown.
+  // its time; else, while its lighter family does not know whether its micro-batch fits, that
+  // family's probe (one estimate can settle every policy of a layout); else its family's.
   size_t probe_for(size_t i) const {
     const MicroBatchFamily& f = families_[family_[i]];
     if (candidates_[i].batch <= f.fits_up_to) return i;
+    if (f.lighter != kNone) {
+      const MicroBatchFamily& l = families_[f.lighter];
+      const size_t probe = probe_of(l);
+      if (candidates_[i].batch > l.fits_up_to && candidates_[i].batch < l.fails_from && probe != kNone) return probe;
+    }
+    return probe_of(f);
+  }
+
+  // A family's smallest micro-batch while nothing is known of it (one estimate settles a family none
+  // of whose micro-batches fit), then the middle of those still unknown; kNone when none is.
+  size_t probe_of(const MicroBatchFamily& f) const {
+    const int64_t fails = fails_from(f);
     std::vector<size_t> open;
     for (size_t m : f.members) {
-      if (candidates_[m].batch > f.fits_up_to && candidates_[m].batch < f.fails_from) open.push_back(m);
+      if (candidates_[m].batch > f.fits_up_to && candidates_[m].batch < fails) open.push_back(m);
     }
+    if (open.empty()) return kNone;
     return f.fits_up_to == 0 ? open.front() : open[(open.size() - 1) / 2];
   }
 
@@ -144,7 +196,9 @@ class BoundFirstSearch {
     std::set<size_t> probed;
     for (size_t k = at_; k < candidates_.size() && probes.size() < chunk && bound_[order_[k]] <= limit; ++k) {
       const size_t i = order_[k];
-      if (!settled(i) && probed.insert(family_[i]).second) probes.push_back(probe_for(i));
+      if (settled(i)) continue;
+      const size_t probe = probe_for(i);
+      if (probed.insert(family_[probe]).second) probes.push_back(probe);
     }
     const std::vector<Estimate> estimates = estimated(probes);
     for (size_t k = 0; k < probes.size(); ++k) {
@@ -154,6 +208,9 @@ class BoundFirstSearch {
       MicroBatchFamily& f = families_[family_[probes[k]]];
       if (!fits) {
         f.fails_from = std::min(f.fails_from, p.batch);
+        if (static_cast<double>(p.predicted_peak_bytes) > s_.limit * others_margin(candidates_[probes[k]])) {
+          f.others_fail_from = std::min(f.others_fail_from, p.batch);
+        }
         continue;
       }
       f.fits_up_to = std::max(f.fits_up_to, p.batch);

@@ -1,17 +1,17 @@
 #include "plan/planner.h"
 
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <set>
-#include <utility>
 #include <stdexcept>
+#include <utility>
 
 #include "estimate/estimator.h"
 #include "memory/oom_report.h"
+#include "plan/candidates.h"
 #include "train/step_timing.h"
 #include "train/trainer.h"
 #include "util/size.h"
@@ -250,7 +250,8 @@ TEST(Planner, PipelineLayoutsArePlannedWithTheirBubbleAndTransfers) {
     }
     EXPECT_LE(p.pipeline.stages * p.tensor_parallel, 4);
     const auto t = static_cast<double>(p.tensor_parallel);
-    const double bytes = static_cast<double>(p.batch * base.seq * model.hidden_size) * (p.precision == Precision::fp32 ? 4 : 2);
+    const double bytes =
+        static_cast<double>(p.batch * base.seq * model.hidden_size) * (p.precision == Precision::fp32 ? 4 : 2);
     const double sums = (4 * 4 + 2) * (2 * (t - 1) / t * bytes / 1.5e11 + 50e-6) + 3 * 50e-6;
     int64_t most = model.num_layers;
     if (p.pipeline.stages > 1) {
@@ -344,13 +345,73 @@ TEST(Planner, TheSearchFindsWhatEstimatingEveryCandidateFinds) {
     EXPECT_EQ(found.plans[0].predicted_peak_bytes, every.plans[0].predicted_peak_bytes) << name;
     const ModelConfig model = load_model_config(base.model, base.overrides);
     for (size_t i = 0; i < std::min<size_t>(10, every.plans.size()); ++i) {
-      EXPECT_DOUBLE_EQ(found.plans[i].predicted_step_seconds, every.plans[i].predicted_step_seconds) << name << " #" << i;
+      EXPECT_DOUBLE_EQ(found.plans[i].predicted_step_seconds, every.plans[i].predicted_step_seconds)
+          << name << " #" << i;
       TrainSpec spec = train_spec(base);
       spec.step() = found.plans[i].step();
       spec.world = found.plans[i].world;
       spec.pipeline.split.clear();
       EXPECT_EQ(estimate(model, spec).peak_bytes, found.plans[i].predicted_peak_bytes) << name << " #" << i;
     }
+  }
+}
+
+// What the bound-first search assumes of memory, held on every candidate of a request: full
+// checkpointing peaks no higher than any other policy of the same layout and micro-batch (its
+// family settles theirs), and a larger micro-batch no lower where the micro-batches in flight are
+// as many (a family's probes settle the rest; accumulating keeps the first micro-batch's
+// gradients through the second, and a pipeline's stage keeps min(accum, P - s) micro-batches).
+// On one process exactly; a pipeline's within the margins below.
+// Real widths and vocabularies (tied and untied), depth shrunk, pipelines up to 8 stages.
+TEST(Planner, MemoryShrinksWithCheckpointingAndGrowsWithTheMicroBatchAsTheSearchAssumes) {
+  struct Case {
+    const char* model;
+    int64_t layers, world, global;
+  };
+  for (const Case& c : {Case{"qwen3-0.6b", 2, 4, 16}, Case{"llama-3.2-1b", 8, 8, 16}}) {
+    RunConfig base = small_llama();
+    base.model = c.model;
+    base.overrides = {fmt::format("num_hidden_layers={}", c.layers)};
+    base.seq = 512;
+    base.device = "cuda";
+    base.world_size = c.world;
+    PlanRequest r;
+    r.base = base;
+    r.global_batch = c.global;
+    r.budget = int64_t{80} << 30;
+    const Search s = search_of(r);
+    const std::vector<TrainSpec> candidates = candidates_of(r, s.model, s.base);
+    const std::vector<Estimate> estimates = estimate_all(s.model, candidates, 2);
+    auto same_but = [](TrainSpec a, const TrainSpec& b, bool checkpointing) {
+      if (checkpointing) {
+        a.checkpointing = b.checkpointing;
+      } else {
+        a.batch = b.batch;
+        a.accum = b.accum;
+      }
+      return a == b;
+    };
+    int64_t compared = 0;
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      for (size_t j = 0; j < candidates.size(); ++j) {
+        const TrainSpec &a = candidates[i], &b = candidates[j];
+        const bool lighter = a.checkpointing == CheckpointPolicy::full() && !(b.checkpointing == a.checkpointing) &&
+                             same_but(a, b, true);
+        const int64_t replayed = a.pipeline.stages + 1;  // micro-batches a step's replay tells apart
+        const bool smaller =
+            a.batch < b.batch && std::min(a.accum, replayed) == std::min(b.accum, replayed) && same_but(a, b, false);
+        if (!lighter && !smaller) continue;
+        ++compared;
+        // plan_search.cpp's others_margin: a pipeline's full checkpointing can peak a little higher.
+        // A pipeline's micro-batches are cut apart (each its own balanced cut, whose idle peak of
+        // building the stage can be the larger): within 5%.
+        const double margin = a.pipeline.stages == 1 ? 1.0 : lighter ? 1.25 : 1.05;
+        EXPECT_LE(static_cast<double>(estimates[i].peak_bytes), margin * static_cast<double>(estimates[j].peak_bytes))
+            << c.model << " on " << c.world << " ranks: " << plan_of_spec(a).describe() << " (pipeline "
+            << a.pipeline.stages << ", tensor " << a.tensor_parallel << ") against " << plan_of_spec(b).describe();
+      }
+    }
+    EXPECT_GT(compared, 100) << c.model;
   }
 }
 
