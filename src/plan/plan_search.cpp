@@ -1,7 +1,7 @@
 // The planner's bound-first search (fastest_fitting_plans, plan/planner.h): candidates taken in the
 // order of a bound on their step time, each settled by its micro-batch family's estimates and its
-// layout's with full checkpointing, until none left could beat the fastest found; those are then
-// estimated exactly.
+// lighter families' (full checkpointing, flash attention, bf16-mixed), until none left could beat
+// the fastest found; those are then estimated exactly.
 #include <algorithm>
 #include <limits>
 #include <map>
@@ -18,24 +18,48 @@ constexpr size_t kNone = SIZE_MAX;
 
 // A family: the candidates that differ only in the micro-batch (and so the accumulation), with as
 // many micro-batches in flight. A step's peak grows with its micro-batch, so one that does not fit
-// settles every larger one, and one that fits every smaller one. The peak shrinks with
-// checkpointing, full checkpointing keeping the least (each layer's input, and one layer's
-// activations at a time): a micro-batch that does not fit with it, by a margin (others_margin),
-// fits with no other policy of the same layout (`lighter`, the family with full checkpointing,
-// settles those).
+// settles every larger one, and one that fits every smaller one. Some settings keep less than
+// others whatever the rest: full checkpointing (each layer's input, and one layer's activations at
+// a time) than any other policy, flash attention than math (which keeps each head's probabilities),
+// bf16-mixed than fp16-mixed (the same step without the loss scaler's flags); not flash attention
+// under per-op checkpointing, which keeps its output and log-sum-exp (0.1% above math's in
+// planner_test's grid). A micro-batch that
+// does not fit with the lighter setting, by a margin (others_margin), fits with no heavier one of
+// the same layout: the family's `lighter` ones settle it.
 struct MicroBatchFamily {
   int64_t fits_up_to = 0;
   int64_t fails_from = INT64_MAX;
-  int64_t others_fail_from = INT64_MAX;  // full checkpointing: the micro-batches too large for any policy
+  int64_t others_fail_from = INT64_MAX;  // the micro-batches too large for its heavier families
   std::vector<size_t> members;           // by micro-batch, ascending
-  size_t lighter = kNone;                // the same layout with full checkpointing, where this is not it
+  std::vector<size_t> lighter;           // the lightest first: every setting lighter at once, then each
 };
 
-// How far above the limit full checkpointing must peak to settle the other policies. Recomputing a
+// How far above the limit a lighter family must peak to settle the heavier ones. Recomputing a
 // layer costs its activations again in backward; on a pipeline stage of few layers and few
-// micro-batches that can outweigh what checkpointing saves (up to 12% in planner_test's grid), so a
-// pipeline's other policies are settled only well above it. One process holds every layer: none.
+// micro-batches that can outweigh what checkpointing saves (up to 12% in planner_test's grid), and
+// each micro-batch's stages are cut apart, so a pipeline's are settled only well above it. One
+// process holds every layer: none.
 double others_margin(const TrainSpec& spec) { return spec.pipeline.stages > 1 ? 1.25 : 1.0; }
+
+// The specs lighter than `spec` by one setting, and by all of them at once (first).
+std::vector<TrainSpec> lighter_specs(const TrainSpec& spec) {
+  std::vector<TrainSpec> one;
+  TrainSpec all = spec;
+  if (!(spec.checkpointing == CheckpointPolicy::full())) {
+    one.push_back(spec);
+    one.back().checkpointing = all.checkpointing = CheckpointPolicy::full();
+  }
+  if (spec.attention == AttentionPath::math && !spec.checkpointing.per_op()) {
+    one.push_back(spec);
+    one.back().attention = all.attention = AttentionPath::flash;
+  }
+  if (spec.precision == Precision::fp16_mixed) {
+    one.push_back(spec);
+    one.back().precision = all.precision = Precision::bf16_mixed;
+  }
+  if (one.size() > 1) one.insert(one.begin(), all);
+  return one;
+}
 
 std::string family_key(const TrainSpec& spec) {
   Plan p = plan_of_spec(spec);
@@ -44,12 +68,6 @@ std::string family_key(const TrainSpec& spec) {
   // pipeline's stage s min(accum, P - s), the step replaying min(accum, P - s + 1).
   p.accum = std::min(p.accum, spec.pipeline.stages + 1);
   return p.to_json().dump();
-}
-
-// The family's with full checkpointing in its place.
-std::string lighter_key(TrainSpec spec) {
-  spec.checkpointing = CheckpointPolicy::full();
-  return family_key(spec);
 }
 
 // Whether a candidate's bound is its step time: nothing its estimate tells (the pipeline's cut, the
@@ -102,9 +120,12 @@ class BoundFirstSearch {
     families_.resize(by_key.size());
     for (size_t i = 0; i < n; ++i) families_[family_[i]].members.push_back(i);
     for (size_t i = 0; i < n; ++i) {
-      if (candidates_[i].checkpointing == CheckpointPolicy::full()) continue;
-      const auto lighter = by_key.find(lighter_key(candidates_[i]));
-      if (lighter != by_key.end()) families_[family_[i]].lighter = lighter->second;
+      MicroBatchFamily& f = families_[family_[i]];
+      if (f.members.front() != i) continue;  // once a family
+      for (const TrainSpec& spec : lighter_specs(candidates_[i])) {
+        const auto lighter = by_key.find(family_key(spec));
+        if (lighter != by_key.end()) f.lighter.push_back(lighter->second);
+      }
     }
     for (MicroBatchFamily& f : families_) {
       std::sort(f.members.begin(), f.members.end(),
@@ -139,7 +160,9 @@ class BoundFirstSearch {
   // lighter family's.
   int64_t fails_from(size_t i) const { return fails_from(families_[family_[i]]); }
   int64_t fails_from(const MicroBatchFamily& f) const {
-    return f.lighter == kNone ? f.fails_from : std::min(f.fails_from, families_[f.lighter].others_fail_from);
+    int64_t out = f.fails_from;
+    for (size_t l : f.lighter) out = std::min(out, families_[l].others_fail_from);
+    return out;
   }
 
   bool settled(size_t i) const {
@@ -163,13 +186,13 @@ class BoundFirstSearch {
   }
 
   // What settles candidate i: its own estimate where its family knows it fits but its bound is not
-  // its time; else, while its lighter family does not know whether its micro-batch fits, that
-  // family's probe (one estimate can settle every policy of a layout); else its family's.
+  // its time; else, while a lighter family does not know whether its micro-batch fits, that
+  // family's probe (one estimate can settle many heavier families); else its family's.
   size_t probe_for(size_t i) const {
     const MicroBatchFamily& f = families_[family_[i]];
     if (candidates_[i].batch <= f.fits_up_to) return i;
-    if (f.lighter != kNone) {
-      const MicroBatchFamily& l = families_[f.lighter];
+    for (size_t k : f.lighter) {
+      const MicroBatchFamily& l = families_[k];
       const size_t probe = probe_of(l);
       if (candidates_[i].batch > l.fits_up_to && candidates_[i].batch < l.fails_from && probe != kNone) return probe;
     }
@@ -261,7 +284,17 @@ class BoundFirstSearch {
       estimated_[i] = 1;
     }
     out_.estimated += static_cast<int64_t>(specs.size());
-    return estimate_all(s_.model, specs, r_.threads);
+    auto es = estimate_all(s_.model, specs, r_.threads);
+    if (getenv("HR_TRACE"))
+      for (size_t k = 0; k < which.size(); ++k) {
+        const TrainSpec& t = candidates_[which[k]];
+        fprintf(stderr,
+                "EST P=%ld T=%ld D=%ld shard=%d ck=%s prec=%d b=%ld acc=%ld bound=%.3f peak=%.1f att=%d loss=%d\n",
+                (long)t.pipeline.stages, (long)t.tensor_parallel, (long)t.world, (int)t.shard,
+                t.checkpointing.name().c_str(), (int)t.precision, (long)t.batch, (long)t.accum, bound_[which[k]],
+                es[k].step_peak() / 1073741824.0, (int)t.attention, (int)t.loss.chunked);
+      }
+    return es;
   }
 
   const PlanRequest& r_;

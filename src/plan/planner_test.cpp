@@ -357,13 +357,13 @@ TEST(Planner, TheSearchFindsWhatEstimatingEveryCandidateFinds) {
 }
 
 // What the bound-first search assumes of memory, held on every candidate of a request: full
-// checkpointing peaks no higher than any other policy of the same layout and micro-batch (its
-// family settles theirs), and a larger micro-batch no lower where the micro-batches in flight are
-// as many (a family's probes settle the rest; accumulating keeps the first micro-batch's
-// gradients through the second, and a pipeline's stage keeps min(accum, P - s) micro-batches).
-// On one process exactly; a pipeline's within the margins below.
-// Real widths and vocabularies (tied and untied), depth shrunk, pipelines up to 8 stages.
-TEST(Planner, MemoryShrinksWithCheckpointingAndGrowsWithTheMicroBatchAsTheSearchAssumes) {
+// checkpointing, flash attention and bf16-mixed (against fp16-mixed) peak no higher than the
+// heavier settings of the same layout and micro-batch (their families settle those), and a larger micro-batch no lower
+// where the micro-batches in flight are as many (a family's probes settle the rest; accumulating keeps the first
+// micro-batch's gradients through the second, and a pipeline's stage keeps min(accum, P - s) micro-batches). On one
+// process exactly; a pipeline's within the margins below. Real widths and vocabularies (tied and untied), depth shrunk,
+// pipelines up to 8 stages.
+TEST(Planner, MemoryShrinksWithLighterSettingsAndGrowsWithTheMicroBatchAsTheSearchAssumes) {
   struct Case {
     const char* model;
     int64_t layers, world, global;
@@ -382,27 +382,43 @@ TEST(Planner, MemoryShrinksWithCheckpointingAndGrowsWithTheMicroBatchAsTheSearch
     const Search s = search_of(r);
     const std::vector<TrainSpec> candidates = candidates_of(r, s.model, s.base);
     const std::vector<Estimate> estimates = estimate_all(s.model, candidates, 2);
-    auto same_but = [](TrainSpec a, const TrainSpec& b, bool checkpointing) {
-      if (checkpointing) {
-        a.checkpointing = b.checkpointing;
-      } else {
-        a.batch = b.batch;
-        a.accum = b.accum;
+    // a keeps less than b by its settings alone: each that differs lighter (full checkpointing, flash
+    // attention but against per-op checkpointing, bf16-mixed against fp16-mixed), the rest the same.
+    auto lighter_than = [](const TrainSpec& a, TrainSpec b) {
+      bool differs = false;
+      if (!(a.checkpointing == b.checkpointing)) {
+        if (!(a.checkpointing == CheckpointPolicy::full())) return false;
+        b.checkpointing = a.checkpointing;
+        differs = true;
       }
+      if (a.attention != b.attention) {
+        if (a.attention != AttentionPath::flash || b.checkpointing.per_op()) return false;
+        b.attention = a.attention;
+        differs = true;
+      }
+      if (a.precision != b.precision) {
+        if (a.precision != Precision::bf16_mixed || b.precision != Precision::fp16_mixed) return false;
+        b.precision = a.precision;
+        differs = true;
+      }
+      return differs && a == b;
+    };
+    auto same_but_batch = [](TrainSpec a, const TrainSpec& b) {
+      a.batch = b.batch;
+      a.accum = b.accum;
       return a == b;
     };
     int64_t compared = 0;
     for (size_t i = 0; i < candidates.size(); ++i) {
       for (size_t j = 0; j < candidates.size(); ++j) {
         const TrainSpec &a = candidates[i], &b = candidates[j];
-        const bool lighter = a.checkpointing == CheckpointPolicy::full() && !(b.checkpointing == a.checkpointing) &&
-                             same_but(a, b, true);
+        const bool lighter = lighter_than(a, b);
         const int64_t replayed = a.pipeline.stages + 1;  // micro-batches a step's replay tells apart
         const bool smaller =
-            a.batch < b.batch && std::min(a.accum, replayed) == std::min(b.accum, replayed) && same_but(a, b, false);
+            a.batch < b.batch && std::min(a.accum, replayed) == std::min(b.accum, replayed) && same_but_batch(a, b);
         if (!lighter && !smaller) continue;
         ++compared;
-        // plan_search.cpp's others_margin: a pipeline's full checkpointing can peak a little higher.
+        // plan_search.cpp's others_margin: a pipeline's lighter settings can peak a little higher.
         // A pipeline's micro-batches are cut apart (each its own balanced cut, whose idle peak of
         // building the stage can be the larger): within 5%.
         const double margin = a.pipeline.stages == 1 ? 1.0 : lighter ? 1.25 : 1.05;
