@@ -23,9 +23,9 @@ constexpr size_t kNone = SIZE_MAX;
 // a time) than any other policy, flash attention than math (which keeps each head's probabilities),
 // bf16-mixed than fp16-mixed (the same step without the loss scaler's flags); not flash attention
 // under per-op checkpointing, which keeps its output and log-sum-exp (0.1% above math's in
-// planner_test's grid). A micro-batch that
-// does not fit with the lighter setting, by a margin (others_margin), fits with no heavier one of
-// the same layout: the family's `lighter` ones settle it.
+// planner_test's grid). A micro-batch that does not fit with the lighter setting, by a margin
+// (others_margin), fits with no heavier one of the same layout: the family's `lighter` ones settle
+// it.
 struct MicroBatchFamily {
   int64_t fits_up_to = 0;
   int64_t fails_from = INT64_MAX;
@@ -284,17 +284,7 @@ class BoundFirstSearch {
       estimated_[i] = 1;
     }
     out_.estimated += static_cast<int64_t>(specs.size());
-    auto es = estimate_all(s_.model, specs, r_.threads);
-    if (getenv("HR_TRACE"))
-      for (size_t k = 0; k < which.size(); ++k) {
-        const TrainSpec& t = candidates_[which[k]];
-        fprintf(stderr,
-                "EST P=%ld T=%ld D=%ld shard=%d ck=%s prec=%d b=%ld acc=%ld bound=%.3f peak=%.1f att=%d loss=%d\n",
-                (long)t.pipeline.stages, (long)t.tensor_parallel, (long)t.world, (int)t.shard,
-                t.checkpointing.name().c_str(), (int)t.precision, (long)t.batch, (long)t.accum, bound_[which[k]],
-                es[k].step_peak() / 1073741824.0, (int)t.attention, (int)t.loss.chunked);
-      }
-    return es;
+    return estimate_all(s_.model, specs, r_.threads);
   }
 
   const PlanRequest& r_;
