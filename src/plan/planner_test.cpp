@@ -306,6 +306,22 @@ TEST(Planner, RanksFsdpPrecisionAndPerOpCheckpointingAmongTheLevers) {
   EXPECT_TRUE(seen.count("bf16-params at full"));
 }
 
+// A plan request for `model` (a preset) with its depth shrunk by `depth` ("num_hidden_layers=2"),
+// 512-token sequences on cuda cards of `budget` bytes, over `world` ranks.
+PlanRequest scale_request(const char* model, const std::string& depth, int64_t world, int64_t global, int64_t budget) {
+  RunConfig base = small_llama();
+  base.model = model;
+  base.overrides = {depth};
+  base.seq = 512;
+  base.device = "cuda";
+  base.world_size = world;
+  PlanRequest r;
+  r.base = base;
+  r.global_batch = global;
+  r.budget = budget;
+  return r;
+}
+
 // The bound-first search (best_only) against every candidate estimated: the same fastest plan, the
 // same step times for the fastest ten, each of its plans' peaks the estimate of that layout. Real
 // widths and vocabularies (tied and untied), depth shrunk; budgets where little and where much fits.
@@ -317,16 +333,9 @@ TEST(Planner, TheSearchFindsWhatEstimatingEveryCandidateFinds) {
   };
   for (const Case& c : {Case{"gpt2", 4, 16, 2.0}, Case{"qwen3-0.6b", 8, 32, 6.0}, Case{"llama-3.2-1b", 8, 32, 40.0},
                         Case{"qwen3-0.6b", 1, 8, 16.0}}) {
-    RunConfig base = small_llama();
-    base.model = c.model;
-    base.overrides = {std::string(c.model) == "gpt2" ? "n_layer=2" : "num_hidden_layers=2"};
-    base.seq = 512;
-    base.device = "cuda";
-    base.world_size = c.world;
-    PlanRequest r;
-    r.base = base;
-    r.global_batch = c.global;
-    r.budget = static_cast<int64_t>(c.budget_gib * (int64_t{1} << 30));
+    PlanRequest r = scale_request(c.model, std::string(c.model) == "gpt2" ? "n_layer=2" : "num_hidden_layers=2",
+                                  c.world, c.global, static_cast<int64_t>(c.budget_gib * (int64_t{1} << 30)));
+    const RunConfig& base = r.base;
     r.threads = 2;
     CostModel cost = CostModel::flops_only();
     cost.set_assumed_flops(4e14);
@@ -369,16 +378,8 @@ TEST(Planner, MemoryShrinksWithLighterSettingsAndGrowsWithTheMicroBatchAsTheSear
     int64_t layers, world, global;
   };
   for (const Case& c : {Case{"qwen3-0.6b", 2, 4, 16}, Case{"llama-3.2-1b", 8, 8, 16}}) {
-    RunConfig base = small_llama();
-    base.model = c.model;
-    base.overrides = {fmt::format("num_hidden_layers={}", c.layers)};
-    base.seq = 512;
-    base.device = "cuda";
-    base.world_size = c.world;
-    PlanRequest r;
-    r.base = base;
-    r.global_batch = c.global;
-    r.budget = int64_t{80} << 30;
+    const PlanRequest r =
+        scale_request(c.model, fmt::format("num_hidden_layers={}", c.layers), c.world, c.global, int64_t{80} << 30);
     const Search s = search_of(r);
     const std::vector<TrainSpec> candidates = candidates_of(r, s.model, s.base);
     const std::vector<Estimate> estimates = estimate_all(s.model, candidates, 2);
