@@ -134,8 +134,30 @@ class _Traced(NamedTuple):
     block_flops: List[int]  # per step, of each block of the stack as traced
 
 
-def _trace_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks: Blocks,
-                fake: bool = True, world: World = None) -> _Traced:
+@contextlib.contextmanager
+def _earlier_objects_frozen():
+    """What existed before the trace (the user's modules, transformers' and torch's own objects,
+    hundreds of thousands with transformers imported) moved out of the cycle collector's way, so
+    that collecting the trace's cycles as each phase begins scans the trace's objects alone: a full
+    collection each time took more than half of a small model's trace. Not where the process has
+    frozen objects of its own, which unfreezing would release."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
+def _trace_step(*args, **kwargs) -> _Traced:
+    with _earlier_objects_frozen():
+        return _traced_step(*args, **kwargs)
+
+
+def _traced_step(model, inputs, loss_fn, optimizer, precision, checkpointing, device, accum, blocks: Blocks,
+                 fake: bool = True, world: World = None) -> _Traced:
     """The step's trace. On fake tensors, or (``fake=False``, for a model whose forward needs
     values) on real ones: seeded random weights, the inputs' own values (zeros for meta inputs).
     With a ``world``, one rank's step of a copy of the model the user's parallelism was applied to."""

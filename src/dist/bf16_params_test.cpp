@@ -19,6 +19,7 @@ namespace headroom {
 namespace {
 
 using data_parallel_testing::launch;
+using data_parallel_testing::torchrun_launch;
 using testing::read_jsonl;
 using testing::run_command;
 using testing::TempDir;
@@ -39,7 +40,7 @@ Measured train(int ranks, const std::string& flags) {
   const std::string args = fmt::format("train {} {} --steps 3 --eval-rows 0 --quiet --json --metrics {} 2>/dev/null",
                                        kShape, flags, dir.file("m.jsonl"));
   const auto r = ranks == 1 ? run_command(fmt::format("env OMP_NUM_THREADS=1 {} {}", HEADROOM_BINARY, args))
-                            : launch(ranks, HEADROOM_BINARY, args);
+                            : torchrun_launch(ranks, HEADROOM_BINARY, args);
   EXPECT_EQ(r.code, 0) << r.out;
   Measured m;
   m.final_loss = nlohmann::json::parse(r.out.substr(r.out.find('{'))).at("final_loss").get<double>();

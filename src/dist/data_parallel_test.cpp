@@ -34,6 +34,7 @@ namespace {
 using data_parallel_testing::config_of;
 using data_parallel_testing::kTiny;
 using data_parallel_testing::launch;
+using data_parallel_testing::torchrun_launch;
 using testing::read_jsonl;
 using testing::run_command;
 using testing::TempDir;
@@ -90,7 +91,7 @@ struct Weights {
 Weights train_both_ways(const std::string& settings, int64_t batch) {
   TempDir dir;
   const auto r =
-      launch(2, self(), "--gtest_also_run_disabled_tests --gtest_filter=DataParallelWorker.*",
+      torchrun_launch(2, self(), "--gtest_also_run_disabled_tests --gtest_filter=DataParallelWorker.*",
              fmt::format("HEADROOM_TEST_RUN='{};batch={}' HEADROOM_TEST_OUT={}", settings, batch, dir.path()));
   EXPECT_EQ(r.code, 0) << r.out;
   Weights w{read_floats(dir.file("rank0.bin")), read_floats(dir.file("rank1.bin")), {}};

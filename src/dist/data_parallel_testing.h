@@ -13,6 +13,7 @@
 #include <string>
 
 #include "config/run_config.h"
+#include "dist/local_ranks.h"
 #include "testing/command.h"
 #include "testing/temp_dir.h"
 
@@ -39,12 +40,38 @@ inline RunConfig config_of(const std::string& settings) {
   return cfg;
 }
 
-// Launches `ranks` local ranks of `program args` through torchrun; stdout and stderr together.
-inline testing::CommandResult launch(int ranks, const std::string& program, const std::string& args,
-                                     const std::string& env = "") {
+// Launches `ranks` local ranks of `program args` through torchrun (its agent hosts the store);
+// stdout and stderr together. The tests whose subject is a run as users launch it (ranks training
+// as one process) take this way.
+inline testing::CommandResult torchrun_launch(int ranks, const std::string& program, const std::string& args,
+                                              const std::string& env = "") {
   return testing::run_command(
       fmt::format("env OMP_NUM_THREADS=1 {} {} --standalone --no-python --nproc-per-node {} {} {} 2>&1", env,
                   torchrun(), ranks, program, args));
+}
+
+// Launches `ranks` local ranks of `program args` by hand, each with torchrun's RANK, LOCAL_RANK,
+// WORLD_SIZE, LOCAL_WORLD_SIZE and a free loopback MASTER_PORT (rank 0 hosts the store); the first
+// to fail ends the others, as torchrun does, and its exit code is the launch's; stdout and stderr
+// together. torchrun's own start (a Python that imports torch, and its agent) cost each launch about
+// 2 s of cpu, more than the run in most tests here.
+inline testing::CommandResult launch(int ranks, const std::string& program, const std::string& args,
+                                     const std::string& env = "") {
+  std::string script = "pids=''; ";
+  const int port = free_loopback_port();
+  for (int r = 0; r < ranks; ++r) {
+    script += fmt::format(
+        "env OMP_NUM_THREADS=1 {} RANK={} LOCAL_RANK={} WORLD_SIZE={} LOCAL_WORLD_SIZE={} MASTER_ADDR=127.0.0.1 "
+        "MASTER_PORT={} {} {} & pids=\"$pids $!\"; ",
+        env, r, r, ranks, ranks, port, program, args);
+  }
+  script += fmt::format(
+      "rc=0; for i in $(seq {}); do wait -n; s=$?; "
+      "if [ $s -ne 0 ] && [ $rc -eq 0 ]; then rc=$s; kill $pids 2>/dev/null; fi; done; exit $rc",
+      ranks);
+  testing::TempDir dir;
+  std::ofstream(dir.file("launch.sh")) << script;
+  return testing::run_command(fmt::format("bash {} 2>&1", dir.file("launch.sh")));
 }
 
 // Two ranks launched by hand (rank 0 hosts the store) training tiny with `flags` and a 10 s

@@ -21,8 +21,17 @@ extern char** environ;
 namespace headroom {
 namespace {
 
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
 // A port the kernel says is free now (another process may take it before rank 0 binds it: rare).
-int free_port() {
+int free_loopback_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) fail("cannot open a socket to find a free port: {}", std::strerror(errno));
   sockaddr_in addr{};
@@ -39,15 +48,6 @@ int free_port() {
   if (port < 0) fail("cannot find a free loopback port: {}", std::strerror(errno));
   return port;
 }
-
-std::string read_all(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-}  // namespace
 
 bool LocalRanksResult::ok() const {
   for (int c : exit_codes) {
@@ -66,7 +66,7 @@ LocalRanksResult run_local_ranks(int ranks, const std::vector<std::string>& args
   char dir_template[] = "/tmp/headroom-ranks-XXXXXX";
   if (::mkdtemp(dir_template) == nullptr) fail("cannot create a temporary directory: {}", std::strerror(errno));
   const std::string dir = dir_template;
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(free_loopback_port());
   // Everything the child needs is made before fork(): between fork and exec a child of a
   // multithreaded process may only make async-signal-safe calls.
   std::vector<std::string> inherited;

@@ -21,4 +21,8 @@ struct LocalRanksResult {
 // Throws Error when a process cannot be started.
 LocalRanksResult run_local_ranks(int ranks, const std::vector<std::string>& args);
 
+// A loopback port the kernel says is free now (another process may take it before rank 0 binds it:
+// rare). Throws Error when there is none.
+int free_loopback_port();
+
 }  // namespace headroom

@@ -34,6 +34,7 @@ namespace {
 
 using data_parallel_testing::config_of;
 using data_parallel_testing::launch;
+using data_parallel_testing::torchrun_launch;
 using testing::read_jsonl;
 using testing::run_command;
 using testing::TempDir;
@@ -167,7 +168,7 @@ std::vector<float> read_floats(const std::filesystem::path& path) {
 float largest_difference(const std::string& settings, int stages, int ranks = 0, const std::string& alone_settings = "") {
   if (ranks == 0) ranks = stages;
   TempDir dir;
-  const auto r = launch(ranks, self(), "--gtest_also_run_disabled_tests --gtest_filter=PipelineWorker.*",
+  const auto r = torchrun_launch(ranks, self(), "--gtest_also_run_disabled_tests --gtest_filter=PipelineWorker.*",
                         fmt::format("HEADROOM_TEST_RUN='{};pipeline={}' HEADROOM_TEST_OUT={}", settings, stages,
                                     dir.path()));
   EXPECT_EQ(r.code, 0) << r.out;

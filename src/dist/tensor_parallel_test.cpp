@@ -27,6 +27,7 @@ namespace headroom {
 namespace {
 
 using data_parallel_testing::launch;
+using data_parallel_testing::torchrun_launch;
 using testing::read_jsonl;
 using testing::run_command;
 using testing::TempDir;
@@ -240,7 +241,7 @@ TEST(TensorParallel, RanksTrainAsOneProcess) {
                           Layout{4, "--tensor-parallel 2 --shard full --batch 1"}}) {
     SCOPED_TRACE(l.flags);
     TempDir dir;
-    const auto ranks = launch(l.ranks, HEADROOM_BINARY,
+    const auto ranks = torchrun_launch(l.ranks, HEADROOM_BINARY,
                               fmt::format("{} {} --metrics {} 2>/dev/null", common, l.flags, dir.file("m.jsonl")));
     ASSERT_EQ(ranks.code, 0) << ranks.out;
     const auto p = nlohmann::json::parse(ranks.out.substr(ranks.out.find('{')));
