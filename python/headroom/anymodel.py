@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 
 from . import _core
 from .blocks import Blocks, CannotExpand, choose, expand, templates, with_ends
+from .cycles import collected_at_phases, earlier_objects_frozen
 from .eager_paths import eager_masks
 from .step import OptimizerLike, UsageError, check_settings, make_optimizer, prepared, run_steps
 from .trace import PHASES, Event, StorageTrace
@@ -113,18 +114,6 @@ class _Categories:
         return f"{kind}: {s.op}", kind
 
 
-def _collected(trace: StorageTrace) -> Callable[[str], None]:
-    """Python's cycle collector runs when it likes, and what it frees (a checkpoint's reference
-    cycles) would land anywhere in the trace: with it paused, cycles are collected as each phase
-    begins, outside any block, the same way in every block and every run."""
-    def phase(name: str) -> None:
-        trace.set_block(-1)
-        gc.collect()
-        trace.set_phase(name)
-
-    return phase
-
-
 class _Traced(NamedTuple):
     events: List[Event]
     labels: Dict[int, Tuple[str, str]]
@@ -134,25 +123,8 @@ class _Traced(NamedTuple):
     block_flops: List[int]  # per step, of each block of the stack as traced
 
 
-@contextlib.contextmanager
-def _earlier_objects_frozen():
-    """What existed before the trace (the user's modules, transformers' and torch's own objects,
-    hundreds of thousands with transformers imported) moved out of the cycle collector's way, so
-    that collecting the trace's cycles as each phase begins scans the trace's objects alone: a full
-    collection each time took more than half of a small model's trace. Not where the process has
-    frozen objects of its own, which unfreezing would release."""
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.unfreeze()
-
-
 def _trace_step(*args, **kwargs) -> _Traced:
-    with _earlier_objects_frozen():
+    with earlier_objects_frozen():
         return _traced_step(*args, **kwargs)
 
 
@@ -209,7 +181,7 @@ def _traced_step(model, inputs, loss_fn, optimizer, precision, checkpointing, de
         with eager_masks(inputs), prepared(model, checkpointing, blocks.modules), \
                 blocks.marked(trace) if blocks.modules is not None else contextlib.nullcontext(), fake_mode, trace, \
                 trace.resizes():
-            run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, _collected(trace),
+            run_steps(model, fake_inputs, loss_fn, opt, precision, accum, STEPS, collected_at_phases(trace),
                       after_forward=_logits_mark(cats), after_phase=after_phase, backward=trace.backward)
             step_end = len(trace.events)  # what is freed after the last step is not the step's
         del opt, params, fake_inputs, setup
