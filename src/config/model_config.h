@@ -38,6 +38,7 @@ struct MoeConfig {
   std::vector<int64_t> dense_layers;  // ... and it is not one of these (mlp_only_layers)
   bool aux_loss = false;              // output_router_logits: the load-balancing loss joins the loss
   double aux_loss_coef = 0.0;         // router_aux_loss_coef
+  bool operator==(const MoeConfig&) const = default;
 };
 
 // Rotary frequency scaling ("rope_scaling" in config.json).
@@ -47,6 +48,7 @@ struct RopeScaling {
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_positions = 8192;
+  bool operator==(const RopeScaling&) const = default;
 };
 
 struct ModelConfig {
@@ -106,6 +108,7 @@ struct ModelConfig {
   bool rotated(int64_t layer) const;
   // Layer i's MLP is a mixture of experts.
   bool sparse(int64_t layer) const;
+  bool operator==(const ModelConfig&) const = default;
 };
 
 const char* family_name(Family family);
