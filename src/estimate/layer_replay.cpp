@@ -3,10 +3,8 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include <deque>
-#include <mutex>
-
 #include "config/precision.h"
+#include "estimate/model_draws.h"
 #include "util/error.h"
 
 namespace headroom::replay {
@@ -23,39 +21,6 @@ constexpr int64_t kCpuRngStateBytes = 5056;  // at::CPUGeneratorImpl state as a 
 constexpr int64_t kCudaRngStateBytes = 16;   // Philox seed and offset
 
 bool is_mixed(Precision p) { return p == Precision::bf16_mixed || p == Precision::fp16_mixed; }
-
-using Draws = std::vector<std::pair<std::string, int64_t>>;
-
-// The whole model's parameters, name and elements in registration order, as a pipeline stage draws
-// them: built on the meta device once for a model and its settings and kept for the next stage's
-// replay (the planner replays about a dozen stages an estimate, and building all 80 layers of a
-// 70B model for each was a tenth of its time). The last few models asked for are kept.
-std::shared_ptr<const Draws> whole_model_draws(const ModelConfig& c, at::ScalarType dtype, const Finetune& finetune,
-                                               BaseWeights base) {
-  struct Entry {
-    ModelConfig config;
-    at::ScalarType dtype;
-    Finetune finetune;
-    BaseWeights base;
-    std::shared_ptr<const Draws> draws;
-  };
-  static std::mutex mutex;
-  static std::deque<Entry> kept;
-  {
-    const std::lock_guard<std::mutex> lock(mutex);
-    for (const Entry& e : kept) {
-      if (e.dtype == dtype && e.base == base && e.finetune == finetune && e.config == c) return e.draws;
-    }
-  }
-  const CausalLM whole(c, at::TensorOptions().device(at::kMeta).dtype(dtype), 0, CausalLM::KeepParameter{}, finetune,
-                       true, base);
-  auto draws = std::make_shared<Draws>();
-  for (const auto& np : whole.parameters()) draws->emplace_back(np.name, np.tensor.numel());
-  const std::lock_guard<std::mutex> lock(mutex);
-  kept.push_front({c, dtype, finetune, base, draws});
-  if (kept.size() > 4) kept.pop_back();
-  return draws;
-}
 
 }  // namespace
 
@@ -148,9 +113,9 @@ void LayerReplay::replay_initialisation() {
   const bool loaded = !s_.loaded_tensors.empty();
   const auto built = static_cast<int64_t>(c10::elementSize(parameter_dtype(s_.precision)));  // the trainer's model
   // A pipeline stage draws every parameter of the model, in its order, and keeps its own.
-  std::shared_ptr<const Draws> drawn;
+  std::shared_ptr<const ModelDraws> drawn;
   if (stage_.whole(c_.num_layers)) {
-    auto own = std::make_shared<Draws>();
+    auto own = std::make_shared<ModelDraws>();
     for (const auto& name : order_) own->emplace_back(name, params_.at(name).t.numel);
     drawn = std::move(own);
   } else {
