@@ -5,7 +5,8 @@
 // The setup (dataset, weights, optimizer state) is replayed once, then the step `steps` times: the
 // second step starts from the cache the first left, as a real run's does. With a cap (a budget),
 // the replay also says whether the run fits by reserved memory: a cached block the policy cannot
-// reuse, or a segment it cannot free, fails a request that live bytes alone would allow.
+// reuse, or a segment it cannot free, fails a request that live bytes alone would allow. The
+// events' ids number the buffers from 0, as sim::Memory does (the replay keeps one slot per id).
 #pragma once
 
 #include <cstdint>
