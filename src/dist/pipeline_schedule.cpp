@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <deque>
+#include <utility>
 
 #include "model/causal_lm.h"
 
@@ -23,6 +25,12 @@ std::vector<PipelineSlot> one_f_one_b(int64_t stage, int64_t stages, int64_t mic
 }
 
 StageParameters stage_parameters(const ModelConfig& model) {
+  // The last few models' counts, kept: the planner asks twice an estimate (the default cut and its
+  // proposal, estimate/pipeline_cut.h), and counting builds the whole model on the meta device.
+  thread_local std::deque<std::pair<ModelConfig, StageParameters>> kept;  // each thread's, the latest first
+  for (const auto& [config, counts] : kept) {
+    if (config == model) return counts;
+  }
   const CausalLM meta(model, at::TensorOptions().device(at::kMeta).dtype(at::kFloat), 0);
   StageParameters out;
   out.layers.assign(static_cast<size_t>(model.num_layers), 0);
@@ -37,6 +45,8 @@ StageParameters stage_parameters(const ModelConfig& model) {
     }
   }
   if (model.tie_word_embeddings) out.head += model.vocab_size * model.hidden_size;  // the last stage's copy
+  kept.emplace_front(model, out);
+  if (kept.size() > 4) kept.pop_back();
   return out;
 }
 

@@ -24,7 +24,8 @@ struct PipelineSlot {
 std::vector<PipelineSlot> one_f_one_b(int64_t stage, int64_t stages, int64_t micro_batches);
 
 // The parameters of each layer, of the embeddings and of the head (with the final norm, and with
-// tied embeddings the last stage's copy of them), counted on a model without memory.
+// tied embeddings the last stage's copy of them), counted on a model without memory (the last few
+// models' counts kept by each thread; safe to call from several threads).
 struct StageParameters {
   std::vector<int64_t> layers;
   int64_t embeddings = 0, head = 0;

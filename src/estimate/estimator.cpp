@@ -13,6 +13,7 @@
 #include "model/hf_weights.h"
 #include "device/device.h"
 #include "estimate/pipeline_cut.h"
+#include "estimate/stage_replays.h"
 #include "estimate/step_replay.h"
 #include "model/tensor_parallel.h"
 #include "util/error.h"
@@ -180,8 +181,41 @@ std::string Estimate::table() const {
 }
 
 namespace {
+// What the step's replay cannot take (or train refuses), as one line each.
+void check_step(const ModelConfig& model, const TrainSpec& spec) {
+  if (spec.seq > model.max_positions) {
+    fail("--seq {} exceeds {}'s max_position_embeddings {}", spec.seq, model.name, model.max_positions);
+  }
+  if (model.moe && model.moe->aux_loss) {
+    for (int64_t i = 0; i < model.num_layers; ++i) {
+      if (model.sparse(i) && spec.checkpointing.whole_layer(i)) {
+        fail("output_router_logits (the router's load-balancing loss) with --checkpointing {} is not supported, as "
+             "train refuses it; accepted: --checkpointing none or selective, or --set output_router_logits=false",
+             spec.checkpointing.name());
+      }
+    }
+  }
+  if (spec.world > 1 && !spec.finetune.full()) {
+    fail("--finetune {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: "
+         "--finetune full with ranks, or one rank",
+         spec.finetune.name(), spec.world);
+  }
+  if (spec.world > 1 && spec.offload != Offload::none) {
+    fail("--offload {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: one rank",
+         offload_name(spec.offload), spec.world);
+  }
+  if (spec.world > 1 && spec.loss.chunked && spec.shard == ShardLevel::full) {
+    fail("--loss {} with --shard full: not supported yet (train refuses it); accepted: --loss full, or --shard "
+         "optimizer or gradients",
+         spec.loss.name());
+  }
+}
+
 // --pipeline: every stage replayed, one rank each; the estimate is the stage with the highest peak.
-Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
+// The stages are compared by live bytes (`replays` keeps them: the cut's search made some); a
+// caching allocator's replay (reserved memory) is the worst stage's only, made from its kept
+// allocations once that stage is known (the others' were never shown).
+Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec, StageReplays& replays) {
   const std::vector<LayerRange> ranges = pipeline_stages(model, spec.pipeline);
   std::vector<Estimate> each;
   std::vector<Estimate::Stage> stages;
@@ -193,9 +227,7 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
         ranges[static_cast<size_t>(k - 1)].end - ranges[static_cast<size_t>(k - 1)].first == mine.end - mine.first) {
       continue;
     }
-    TrainSpec one = spec;
-    one.stage = k;
-    each.push_back(estimate(model, one));
+    each.push_back(replays.live(model, spec, ranges, k));
     const Estimate& e = each.back();
     // The step's peak and its phase (building the model, in idle, is not part of it).
     Phase phase = Phase::data;
@@ -207,8 +239,9 @@ Estimate worst_stage(const ModelConfig& model, const TrainSpec& spec) {
   const auto worst = std::max_element(each.begin(), each.end(), [](const Estimate& a, const Estimate& b) {
     return a.step_peak() < b.step_peak();
   });
-  Estimate out = std::move(*worst);
-  out.stage = stages[static_cast<size_t>(worst - each.begin())].stage;
+  const int64_t worst_stage = stages[static_cast<size_t>(worst - each.begin())].stage;
+  Estimate out = replays.with_allocator(model, spec, ranges, worst_stage);
+  out.stage = worst_stage;
   out.stages = std::move(stages);
   out.cut = ranges;
   return out;
@@ -238,6 +271,8 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
       fail("estimate: stage {} of a {}-stage pipeline; accepted: 0 to {}", spec.stage, spec.pipeline.stages,
            spec.pipeline.stages - 1);
     }
+    // What every stage's replay would refuse, refused once (StageReplays replays them unchecked).
+    check_step(model, spec);
     if (spec.pipeline.split.empty() && spec.stage >= 0) {
       TrainSpec cut = spec;
       cut.pipeline.split = memory_balanced_cut(model, spec);
@@ -247,47 +282,26 @@ Estimate estimate(const ModelConfig& model, const TrainSpec& spec) {
     }
     if (spec.pipeline.split.empty()) {
       // The proposal replayed; the parameters' cut where it peaks no lower (estimate/pipeline_cut.h).
-      const CutProposal proposal = propose_balanced_cut(model, spec);
+      StageReplays replays;
+      const CutProposal proposal = propose_balanced_cut(model, spec, replays);
       TrainSpec cut = spec;
       cut.pipeline.split = proposal.layers;
-      Estimate e = worst_stage(model, cut);
+      Estimate e = worst_stage(model, cut, replays);
       if (proposal.layers != proposal.by_parameters && e.step_peak() >= proposal.by_parameters_peak) {
         cut.pipeline.split = proposal.by_parameters;
-        e = worst_stage(model, cut);
+        e = worst_stage(model, cut, replays);
       }
       e.balanced = true;
       e.by_parameters = proposal.by_parameters;
       e.by_parameters_peak = proposal.by_parameters_peak;
       return e;
     }
-    if (spec.stage < 0) return worst_stage(model, spec);
-  }
-  if (spec.seq > model.max_positions) {
-    fail("--seq {} exceeds {}'s max_position_embeddings {}", spec.seq, model.name, model.max_positions);
-  }
-  if (model.moe && model.moe->aux_loss) {
-    for (int64_t i = 0; i < model.num_layers; ++i) {
-      if (model.sparse(i) && spec.checkpointing.whole_layer(i)) {
-        fail("output_router_logits (the router's load-balancing loss) with --checkpointing {} is not supported, as "
-             "train refuses it; accepted: --checkpointing none or selective, or --set output_router_logits=false",
-             spec.checkpointing.name());
-      }
+    if (spec.stage < 0) {
+      StageReplays replays;
+      return worst_stage(model, spec, replays);
     }
   }
-  if (spec.world > 1 && !spec.finetune.full()) {
-    fail("--finetune {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: "
-         "--finetune full with ranks, or one rank",
-         spec.finetune.name(), spec.world);
-  }
-  if (spec.world > 1 && spec.offload != Offload::none) {
-    fail("--offload {} with --world-size {}: not supported yet (train refuses it under torchrun); accepted: one rank",
-         offload_name(spec.offload), spec.world);
-  }
-  if (spec.world > 1 && spec.loss.chunked && spec.shard == ShardLevel::full) {
-    fail("--loss {} with --shard full: not supported yet (train refuses it); accepted: --loss full, or --shard "
-         "optimizer or gradients",
-         spec.loss.name());
-  }
+  check_step(model, spec);
   replay::StepReplay step(model, spec);
   Estimate e = step.run();
   e.stage = spec.pipeline.stages > 1 ? spec.stage : -1;

@@ -202,7 +202,7 @@ TEST_P(EstimatorAccuracy, PredictsWhatTheTrainerMeasures) {
   EXPECT_LE(worst_reserved, 0.03) << worst_reserved_config;
 }
 
-// Fine-tuning Llama-3.2-1B's widths and vocabulary (2 layers, 1 x 128 tokens), its embedding tied and
+// Fine-tuning Llama-3.2-1B's widths and vocabulary (2 layers, 1 x 32 tokens), its embedding tied and
 // untied: LoRA on q and v (AdamW), the embedding frozen (SGD: AdamW's state for an untied head alone
 // is 4.2 GB), and LoRA on an NF4 base (AdamW). What estimate
 // prints as the peak is the measured step's within 1%: the model's construction (a float32 1.05 GB
@@ -216,7 +216,7 @@ TEST(Estimator, FineTuningATiedOrUntiedModelPeaksWhereTheStepDoes) {
       cfg.model = "llama-3.2-1b";
       cfg.overrides = {"num_hidden_layers=2", std::string("tie_word_embeddings=") + tied};
       cfg.batch = 1;
-      cfg.seq = 128;
+      cfg.seq = 32;
       cfg.finetune = parse_finetune(finetune);
       cfg.base_weights = parse_base_weights(base);
       cfg.optimizer = cfg.finetune.is_lora() ? OptimizerKind::adamw : OptimizerKind::sgd;

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "config/precision.h"
-#include "estimate/model_draws.h"
+#include "estimate/meta_models.h"
 #include "util/error.h"
 
 namespace headroom::replay {
@@ -49,9 +49,7 @@ LayerReplay::LayerReplay(const ModelConfig& c, const TrainSpec& s)
 
 void LayerReplay::construct_model() {
   // Shapes from the trainer's own model class on the meta device: nothing allocated.
-  shapes_ = std::make_unique<CausalLM>(
-      c_, at::TensorOptions().device(at::kMeta).dtype(compute_dtype(s_.precision)), 0, CausalLM::KeepParameter{},
-      s_.finetune, true, s_.base_weights, stage_);
+  shapes_ = meta_model(c_, compute_dtype(s_.precision), s_.finetune, s_.base_weights, stage_);
   for (const auto& np : shapes_->parameters()) add_parameter(np);
   // A tied head is the embedding used a second time: two gradients arrive for it per backward (a
   // pipeline's first and last stages each use their own copy once).
@@ -113,15 +111,11 @@ void LayerReplay::replay_initialisation() {
   const bool loaded = !s_.loaded_tensors.empty();
   const auto built = static_cast<int64_t>(c10::elementSize(parameter_dtype(s_.precision)));  // the trainer's model
   // A pipeline stage draws every parameter of the model, in its order, and keeps its own.
-  std::shared_ptr<const ModelDraws> drawn;
-  if (stage_.whole(c_.num_layers)) {
-    auto own = std::make_shared<ModelDraws>();
-    for (const auto& name : order_) own->emplace_back(name, params_.at(name).t.numel);
-    drawn = std::move(own);
-  } else {
-    drawn = whole_model_draws(c_, compute_dtype(s_.precision), s_.finetune, s_.base_weights);
-  }
-  for (const auto& [name, numel] : *drawn) {
+  const std::shared_ptr<const CausalLM> whole =
+      stage_.whole(c_.num_layers) ? shapes_ : meta_model(c_, compute_dtype(s_.precision), s_.finetune, s_.base_weights);
+  for (const NamedTensor& drawn : whole->parameters()) {
+    const std::string& name = drawn.name;
+    const int64_t numel = drawn.tensor.numel();
     const bool adapter = is_lora_parameter(name);
     if (loaded && !adapter) continue;
     if (is_nf4_part(name)) {

@@ -69,7 +69,7 @@ class LayerReplay : protected sim::Ops {
   int adapter_weights_ = -1, adapter_grads_ = -1;  // LoRA's adapters
   std::map<std::string, sim::Param> params_;
   std::vector<std::string> order_;    // parameter names in registration order
-  std::unique_ptr<CausalLM> shapes_;  // the model on the meta device
+  std::shared_ptr<const CausalLM> shapes_;  // the model on the meta device (estimate/meta_models.h)
   ModelStage stage_;                  // --pipeline: the stage replayed (TrainSpec::stage); else the whole model
                                       // (--tensor-parallel: the last rank's share of it)
   int64_t heads_ = 0, kv_heads_ = 0;  // the attention heads and key/value heads the replayed rank holds

@@ -10,12 +10,6 @@ namespace {
 
 int64_t size(const LayerRange& r) { return r.end - r.first; }
 
-// The step's peak of stage `stage` with the layers cut as `cut`.
-int64_t stage_peak(const ModelConfig& model, TrainSpec spec, const std::vector<LayerRange>& cut, int64_t stage) {
-  spec.pipeline.split = cut;
-  spec.stage = stage;
-  return estimate(model, spec).step_peak();
-}
 
 // Fills each value not `known` from the nearest known ones on either side, linearly in the
 // stages' micro-batches in flight `k` (the nearer one alone when there is no other, or the two
@@ -39,14 +33,15 @@ void fill_by_in_flight(std::vector<double>& value, const std::vector<bool>& know
 
 }  // namespace
 
-CutProposal propose_balanced_cut(const ModelConfig& model, const TrainSpec& given) {
-  const int64_t p = given.pipeline.stages, layers = model.num_layers;
-  const std::vector<LayerRange> start = pipeline_stages(model, given.pipeline);
-  if (!given.pipeline.split.empty() || p == 1 || p == layers) return {start, start, 0};  // given, or the only cut
-  TrainSpec spec = given;
-  // Live bytes: the reserved replay of a caching allocator is the final estimate's, not the cut's.
-  spec.caching.reset();
-  spec.budget.reset();
+CutProposal propose_balanced_cut(const ModelConfig& model, const TrainSpec& spec, StageReplays& replays) {
+  const int64_t p = spec.pipeline.stages, layers = model.num_layers;
+  const std::vector<LayerRange> start = pipeline_stages(model, spec.pipeline);
+  if (!spec.pipeline.split.empty() || p == 1 || p == layers) return {start, start, 0};  // given, or the only cut
+  // The step's peak of stage `stage` with the layers cut as `cut`, in live bytes (the reserved
+  // replay of a caching allocator is the final estimate's, not the cut's).
+  auto stage_peak = [&](const std::vector<LayerRange>& cut, int64_t stage) {
+    return replays.live(model, spec, cut, stage).step_peak();
+  };
   const std::vector<int64_t> layer_params = stage_parameters(model).layers;
   std::vector<int64_t> prefix(static_cast<size_t>(layers) + 1, 0);
   for (int64_t i = 0; i < layers; ++i) prefix[i + 1] = prefix[i] + layer_params[static_cast<size_t>(i)];
@@ -65,7 +60,7 @@ CutProposal propose_balanced_cut(const ModelConfig& model, const TrainSpec& give
     const bool run_first = !end && (s == 1 || size(start[s - 1]) != size(start[s]));
     const bool run_last = !end && (s + 2 == stages || size(start[s + 1]) != size(start[s]));
     if (!end && !run_first && !run_last) continue;
-    peak[s] = static_cast<double>(stage_peak(model, spec, start, static_cast<int64_t>(s)));
+    peak[s] = static_cast<double>(stage_peak(start, static_cast<int64_t>(s)));
     replayed[s] = true;
   }
   fill_by_in_flight(peak, replayed, in_flight);
@@ -101,8 +96,8 @@ CutProposal propose_balanced_cut(const ModelConfig& model, const TrainSpec& give
       continue;
     }
     const double here =
-        replayed[s] ? peak[s] : static_cast<double>(stage_peak(model, spec, start, static_cast<int64_t>(s)));
-    const double traded = here - static_cast<double>(stage_peak(model, spec, cut, static_cast<int64_t>(s)));
+        replayed[s] ? peak[s] : static_cast<double>(stage_peak(start, static_cast<int64_t>(s)));
+    const double traded = here - static_cast<double>(stage_peak(cut, static_cast<int64_t>(s)));
     rate[s] = static_cast<double>(sign) * traded / params(layer, layer + 1);
     known[s] = true;
   }

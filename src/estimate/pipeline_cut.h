@@ -15,7 +15,8 @@
 // its turn, and keeps it when its highest stage peaks below the parameters' cut's.
 //
 // About ten stage replays, whatever P: milliseconds for small models, about a second for a 70B one
-// in 64 stages.
+// in 64 stages. They are live bytes only, kept (estimate/stage_replays.h) for the estimate's replay
+// of the cut it chooses, which makes again only the stages whose layers differ.
 #pragma once
 
 #include <vector>
@@ -23,6 +24,7 @@
 #include "config/model_config.h"
 #include "config/pipeline_layout.h"
 #include "estimate/estimator.h"
+#include "estimate/stage_replays.h"
 
 namespace headroom {
 
@@ -34,7 +36,8 @@ struct CutProposal {
   std::vector<LayerRange> layers, by_parameters;
   int64_t by_parameters_peak = 0;
 };
-CutProposal propose_balanced_cut(const ModelConfig& model, const TrainSpec& spec);
+// The stages it replays are kept in `replays`, for the estimate's own replay of the cut it chooses.
+CutProposal propose_balanced_cut(const ModelConfig& model, const TrainSpec& spec, StageReplays& replays);
 
 // The layers of each of spec.pipeline.stages stages for `spec`'s step, as estimate() cuts them: the
 // split when spec gives one, else the proposal or the parameters' cut, whichever peaks lower.

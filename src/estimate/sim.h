@@ -116,6 +116,7 @@ class Memory {
     bool allocated = true;  // false: released
   };
   const std::vector<Event>& events() const { return events_; }
+  std::vector<Event> take_events() { return std::exchange(events_, {}); }
 
  private:
   friend class Buffer;

@@ -46,7 +46,7 @@ Estimate StepReplay::run() {
     micro_batch(1);
     zero_grad_phase();
   }
-  const size_t step_begin = mem_.events().size();
+  step_begin_ = mem_.events().size();
   if (s_.pipeline.stages > 1) {
     pipeline_schedule();
   } else {
@@ -55,7 +55,9 @@ Estimate StepReplay::run() {
   }
   const CategoryBytes at_update = optimizer_phase();
   zero_grad_phase();
-  return result(at_update, step_begin);
+  Estimate e = result(at_update, step_begin_);
+  step_end_ = mem_.events().size();  // what run()'s own buffers release as it returns is not the step's
+  return e;
 }
 
 void StepReplay::setup() {

@@ -10,7 +10,9 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "config/model_config.h"
 #include "estimate/data_parallel_replay.h"
@@ -26,6 +28,14 @@ class StepReplay : LayerReplay {
   StepReplay(const ModelConfig& c, const TrainSpec& s);
 
   Estimate run();
+  // After run(): its allocation sequence (what a caching allocator would see, estimate/reserved.h)
+  // and where the step begins in it; taken once.
+  size_t step_begin() const { return step_begin_; }
+  std::vector<sim::Memory::Event> take_events() {
+    std::vector<sim::Memory::Event> events = mem_.take_events();
+    events.resize(step_end_);
+    return events;
+  }
 
  private:
   using CategoryBytes = std::array<int64_t, sim::kCategories>;
@@ -50,6 +60,7 @@ class StepReplay : LayerReplay {
   OptimizerReplay optimizer_;
   sim::Ref dataset_, dataset_eval_;
   sim::Ref workspace_;  // cuda: cuBLAS's
+  size_t step_begin_ = 0, step_end_ = 0;
 };
 
 }  // namespace headroom::replay
