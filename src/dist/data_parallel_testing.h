@@ -65,10 +65,14 @@ inline testing::CommandResult launch(int ranks, const std::string& program, cons
         "MASTER_PORT={} {} {} & pids=\"$pids $!\"; ",
         env, r, r, ranks, ranks, port, program, args);
   }
-  script += fmt::format(
-      "rc=0; for i in $(seq {}); do wait -n; s=$?; "
-      "if [ $s -ne 0 ] && [ $rc -eq 0 ]; then rc=$s; kill $pids 2>/dev/null; fi; done; exit $rc",
-      ranks);
+  // Each rank's status is waited for once it has gone (bash reaps it and keeps its status); not
+  // `wait -n` once per rank: ranks ending together were sometimes reported once, and the last
+  // `wait -n`, finding no child left, made the launch's code 127 (seen once in 158 tests).
+  script +=
+      "rc=0; left=$pids; while [ -n \"$left\" ]; do still=''; for p in $left; do "
+      "if kill -0 $p 2>/dev/null; then still=\"$still $p\"; else wait $p; s=$?; "
+      "if [ $s -ne 0 ] && [ $rc -eq 0 ]; then rc=$s; kill $pids 2>/dev/null; fi; fi; done; "
+      "left=$still; if [ -n \"$left\" ]; then sleep 0.05; fi; done; exit $rc";
   testing::TempDir dir;
   std::ofstream(dir.file("launch.sh")) << script;
   return testing::run_command(fmt::format("bash {} 2>&1", dir.file("launch.sh")));
