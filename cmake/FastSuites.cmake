@@ -16,9 +16,9 @@ if(NOT listed_rc EQUAL 0)
 endif()
 string(REPLACE "\n" ";" lines "${listed}")
 foreach(line IN LISTS lines)
-  # A suite's line is its name and a dot ("Cli.", "RealVocabularies/ChunkedLossMatches."); its
-  # tests' lines are indented.
-  if(line MATCHES "^([A-Za-z0-9_/]+)\\.$")
+  # A suite's line is its name and a dot ("Cli.", "RealVocabularies/ChunkedLossMatches.", a typed
+  # suite's followed by "  # TypeParam = ..."); its tests' lines are indented.
+  if(line MATCHES "^([A-Za-z0-9_/]+)\\.( .*)?$")
     set(suite "${CMAKE_MATCH_1}")
     add_test("${suite}" "${HEADROOM_TESTS_BINARY}" "--gtest_filter=${suite}.*:-${HEADROOM_FAST_EXCLUDED}")
     set_tests_properties("${suite}" PROPERTIES LABELS fast TIMEOUT 600 ENVIRONMENT "${HEADROOM_FAST_ENVIRONMENT}")
