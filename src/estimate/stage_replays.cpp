@@ -36,9 +36,10 @@ const Estimate& StageReplays::with_allocator(const ModelConfig& model, const Tra
   Replayed& r = replayed(model, spec, cut, stage);
   if (!spec.caching) return r.live;
   if (!r.with_allocator) {
-    // As StepReplay::result replays them: two steps, under the spec's cap.
+    // As StepReplay::result replays them, under the spec's cap.
     r.with_allocator = r.live;
-    r.with_allocator->reserved = replay_reserved(r.events, r.step_begin, 2, *spec.caching, spec.budget);
+    r.with_allocator->reserved = replay_reserved(r.events, r.step_begin, replay::kReservedSteps, *spec.caching,
+                                                 spec.budget);
   }
   return *r.with_allocator;
 }

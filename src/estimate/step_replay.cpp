@@ -271,9 +271,7 @@ Estimate StepReplay::result(const CategoryBytes& at_update, size_t step_begin) c
   }
   std::stable_sort(e.items.begin(), e.items.end(),
                    [](const EstimateItem& a, const EstimateItem& b) { return a.bytes > b.bytes; });
-  // Two steps, as the cache reaches its steady state in the second (the first's free blocks are
-  // what the second finds).
-  if (s_.caching) e.reserved = replay_reserved(mem_.events(), step_begin, 2, *s_.caching, s_.budget);
+  if (s_.caching) e.reserved = replay_reserved(mem_.events(), step_begin, kReservedSteps, *s_.caching, s_.budget);
   return e;
 }
 

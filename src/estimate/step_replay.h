@@ -23,6 +23,11 @@
 
 namespace headroom::replay {
 
+// A caching allocator's replay of a step's allocations (estimate/reserved.h) runs the step this
+// many times: the cache reaches its steady state in the second (the first's free blocks are what
+// the second finds).
+inline constexpr int kReservedSteps = 2;
+
 class StepReplay : LayerReplay {
  public:
   StepReplay(const ModelConfig& c, const TrainSpec& s);
