@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "cli/run_flags.h"
+#include "config/pipeline_layout.h"
 #include "device/device.h"
 #include "plan/plan_settings.h"
 #include "plan/planner.h"
@@ -182,9 +183,11 @@ void print_step_terms(const PlanResult& result) {
       "assumed {:.3g} GB/s inside a node).\n",
       best.predicted_step_seconds, t.compute,
       best.pipeline.stages > 1
-          ? fmt::format(" (the {} stages' largest share of every micro-batch; layers cut --pipeline-split {}, "
-                        "balanced by memory)",
-                        best.pipeline.stages, pipeline_split_text(best.pipeline.split))
+          ? fmt::format(" (the {} stages' largest share of every micro-batch; layers cut --pipeline-split {}, {})",
+                        best.pipeline.stages, pipeline_split_text(best.pipeline.split),
+                        best.pipeline.split == even_cut(best.pipeline.split.back().end, best.pipeline.stages)
+                            ? "as evenly as they go"
+                            : "balanced by memory")
       : best.tensor_parallel > 1 ? fmt::format(" (1/{} of every matmul per rank)", best.tensor_parallel)
                                  : "",
       t.bubble, t.pipeline_transfers, t.collectives, t.tensor_collectives, t.other,

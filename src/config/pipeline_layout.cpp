@@ -123,4 +123,22 @@ std::vector<LayerRange> lightest_cut(int64_t layers, int64_t p,
   return out;
 }
 
+std::vector<LayerRange> even_cut(int64_t layers, int64_t stages) {
+  if (stages < 1 || stages > layers) fail("even_cut: {} stages of {} layers; accepted: 1 to {}", stages, layers, layers);
+  std::vector<int64_t> size(static_cast<size_t>(stages), layers / stages);
+  // Who takes the layers left over: stages P-2 down to 1, then P-1, then 0.
+  std::vector<int64_t> takers;
+  for (int64_t s = stages - 2; s >= 1; --s) takers.push_back(s);
+  if (stages > 1) takers.push_back(stages - 1);
+  takers.push_back(0);
+  for (int64_t k = 0; k < layers % stages; ++k) ++size[static_cast<size_t>(takers[static_cast<size_t>(k)])];
+  std::vector<LayerRange> out;
+  int64_t first = 0;
+  for (int64_t n : size) {
+    out.push_back({first, first + n});
+    first += n;
+  }
+  return out;
+}
+
 }  // namespace headroom

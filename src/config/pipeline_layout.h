@@ -37,6 +37,13 @@ std::string pipeline_split_text(const std::vector<LayerRange>& split);
 std::vector<LayerRange> lightest_cut(int64_t layers, int64_t stages,
                                      const std::function<int64_t(int64_t stage, int64_t first, int64_t end)>& weight);
 
+// The cut whose largest stage holds as few layers as any cut's can, ceil(layers / stages): the
+// fastest by the planner's cost model, which paces a pipeline by its largest stage (plan/planner.h).
+// The stages holding a layer more are the middle ones from the last but one down (the later keep
+// fewer micro-batches in flight), then the last (it holds the head), then the first (the most in
+// flight). Needs 1 <= stages <= layers.
+std::vector<LayerRange> even_cut(int64_t layers, int64_t stages);
+
 // Each stage's layers for a model of `layers` layers whose layer i holds `layer_params[i]`
 // parameters (all equal for most models), the embeddings `embed_params` and the head (with the
 // final norm) `head_params`: the split when one is given (checked against the model: its ranges

@@ -74,3 +74,38 @@ TEST(PipelineLayout, AGivenSplitMustFitTheModel) {
 
 }  // namespace
 }  // namespace headroom
+
+namespace headroom {
+namespace {
+
+// The even cut: every stage within one layer of the others, so its largest holds ceil(layers / P);
+// the stages holding one more are the middle ones from the last but one down, then the last, then
+// the first. Hand-written cuts.
+TEST(PipelineLayout, TheEvenCutsLargestStageIsAsSmallAsAnyCutsCanBe) {
+  EXPECT_EQ(pipeline_split_text(even_cut(80, 8)), "0:10,10:20,20:30,30:40,40:50,50:60,60:70,70:80");
+  EXPECT_EQ(pipeline_split_text(even_cut(6, 4)), "0:1,1:3,3:5,5:6");
+  EXPECT_EQ(pipeline_split_text(even_cut(7, 4)), "0:1,1:3,3:5,5:7");
+  EXPECT_EQ(pipeline_split_text(even_cut(7, 2)), "0:3,3:7");
+  EXPECT_EQ(pipeline_split_text(even_cut(126, 8)), "0:15,15:31,31:47,47:63,63:79,79:95,95:111,111:126");
+  EXPECT_EQ(pipeline_split_text(even_cut(5, 5)), "0:1,1:2,2:3,3:4,4:5");
+  EXPECT_EQ(pipeline_split_text(even_cut(4, 1)), "0:4");
+  for (int64_t layers = 1; layers <= 40; ++layers) {
+    for (int64_t p = 1; p <= layers; ++p) {
+      const std::vector<LayerRange> cut = even_cut(layers, p);
+      ASSERT_EQ(static_cast<int64_t>(cut.size()), p);
+      EXPECT_EQ(cut.front().first, 0);
+      EXPECT_EQ(cut.back().end, layers);
+      for (size_t s = 0; s < cut.size(); ++s) {
+        if (s > 0) {
+          EXPECT_EQ(cut[s].first, cut[s - 1].end);
+        }
+        const int64_t n = cut[s].end - cut[s].first;
+        EXPECT_TRUE(n == layers / p || n == (layers + p - 1) / p) << layers << " layers, " << p << " stages";
+      }
+    }
+  }
+  EXPECT_THROW(even_cut(3, 4), Error);
+}
+
+}  // namespace
+}  // namespace headroom

@@ -53,6 +53,9 @@ struct TrainSpec : StepSettings {
   // position, which holds the most micro-batches in flight of them and so peaks highest; the
   // planner's shortcut). Estimate::stages then lists the ones replayed.
   bool every_stage = true;
+  // The planner's: a step whose allocated peak is over `budget` already cannot fit, and its caching
+  // allocator's replay is not made (Estimate::reserved stays nullopt).
+  bool reserved_within_budget_only = false;
 };
 
 struct EstimateItem {

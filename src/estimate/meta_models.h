@@ -21,7 +21,7 @@
 
 namespace headroom {
 
-inline constexpr size_t kMetaModelsKept = 64;
+inline constexpr size_t kMetaModelsKept = 256;
 
 // `config` built in `dtype` on the meta device, as CausalLM(config, meta, seed 0, {}, finetune, true,
 // base, stage) builds it; `stage` {} is the whole model.

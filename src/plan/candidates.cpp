@@ -124,7 +124,14 @@ std::vector<TrainSpec> candidates_of(const PlanRequest& r, const ModelConfig& mo
               spec.tensor_parallel = tensor;
               spec.stage = -1;
               spec.every_stage = false;
+              spec.reserved_within_budget_only = true;  // what does not fit by allocated bytes is not shown
               if (!levers_combine(spec, model, spec.world)) continue;  // train would refuse it
+              // A pipeline twice: cut evenly (the fastest cut), then cut by memory (the estimate's).
+              if (stages > 1 && stages < model.num_layers) {
+                TrainSpec even = spec;
+                even.pipeline.split = even_cut(model.num_layers, stages);
+                candidates.push_back(even);
+              }
               candidates.push_back(spec);
             }
             }
@@ -143,6 +150,18 @@ std::vector<TrainSpec> candidates_of(const PlanRequest& r, const ModelConfig& mo
          (r.global_batch / world + 1) * world);
   }
   return candidates;
+}
+
+std::vector<size_t> even_siblings(const std::vector<TrainSpec>& candidates) {
+  std::vector<size_t> out(candidates.size(), SIZE_MAX);
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    const TrainSpec &balanced = candidates[i], &even = candidates[i - 1];
+    if (balanced.pipeline.stages == 1 || !balanced.pipeline.split.empty() || even.pipeline.split.empty()) continue;
+    TrainSpec same = even;
+    same.pipeline.split.clear();
+    if (same == balanced) out[i] = i - 1;
+  }
+  return out;
 }
 
 // The plan a candidate is, unestimated (its peak, cut, trainable and offloaded bytes unknown).

@@ -19,9 +19,15 @@ struct Search {
 };
 Search search_of(const PlanRequest& request);
 
-// Every layout and setting the request allows that train would run, in a fixed order; one line of
-// error where none divides the global batch.
+// Every layout and setting the request allows that train would run, in a fixed order (a pipeline
+// twice: cut evenly, then cut by memory); one line of error where none divides the global batch.
 std::vector<TrainSpec> candidates_of(const PlanRequest& request, const ModelConfig& model, const TrainSpec& base);
+
+// For each candidate, the index of its sibling cut evenly (config/pipeline_layout.h's even_cut: the
+// same pipeline layout and settings, the fastest cut) where it is a pipeline cut by memory (no split:
+// its estimate balances the stages), else SIZE_MAX. Where the sibling fits, the candidate is never
+// faster, and the planner lists the sibling alone.
+std::vector<size_t> even_siblings(const std::vector<TrainSpec>& candidates);
 
 // Every spec's estimate, on `threads` threads; the first error (in the specs' order) is rethrown.
 std::vector<Estimate> estimate_all(const ModelConfig& model, const std::vector<TrainSpec>& specs, int threads);

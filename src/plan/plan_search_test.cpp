@@ -42,11 +42,16 @@ TEST(Planner, TheSearchFindsWhatEstimatingEveryCandidateFinds) {
     const char* model;
     int64_t world, global;
     double budget_gib;
+    int64_t layers = 2, tensor_parallel = 8;  // the most tensor-parallel ranks
   };
+  // The last: only pipelines fit (tensor parallel left out), and they lead cut evenly (4 stages of
+  // 6 layers: 1, 2, 2, 1), their cuts by memory estimated beside them.
   for (const Case& c : {Case{"gpt2", 4, 16, 2.0}, Case{"qwen3-0.6b", 8, 32, 6.0}, Case{"llama-3.2-1b", 8, 32, 40.0},
-                        Case{"qwen3-0.6b", 1, 8, 16.0}}) {
-    PlanRequest r = scale_request(c.model, std::string(c.model) == "gpt2" ? "n_layer=2" : "num_hidden_layers=2",
-                                  c.world, c.global, static_cast<int64_t>(c.budget_gib * (int64_t{1} << 30)));
+                        Case{"qwen3-0.6b", 1, 8, 16.0}, Case{"llama-3.1-8b", 4, 8, 14.0, 6, 1}}) {
+    PlanRequest r = scale_request(
+        c.model, fmt::format("{}={}", std::string(c.model) == "gpt2" ? "n_layer" : "num_hidden_layers", c.layers),
+        c.world, c.global, static_cast<int64_t>(c.budget_gib * (int64_t{1} << 30)));
+    r.max_tensor_parallel = c.tensor_parallel;
     const RunConfig& base = r.base;
     r.threads = 2;
     CostModel cost = CostModel::flops_only();
@@ -59,6 +64,22 @@ TEST(Planner, TheSearchFindsWhatEstimatingEveryCandidateFinds) {
     rank_plans(found, r, cost);
     const std::string name = fmt::format("{} on {} ranks, {} GiB", c.model, c.world, c.budget_gib);
     ASSERT_FALSE(every.plans.empty()) << name;
+    // A layout cut by memory is listed only where the same cut evenly is not.
+    std::set<std::string> listed;
+    for (const Plan& p : every.plans) listed.insert(p.describe() + " " + pipeline_split_text(p.pipeline.split));
+    int64_t even_cuts = 0;
+    for (const Plan& p : every.plans) {
+      if (p.pipeline.stages == 1) continue;
+      const std::vector<LayerRange> even = even_cut(p.pipeline.split.back().end, p.pipeline.stages);
+      if (p.pipeline.split == even) {
+        ++even_cuts;
+        continue;
+      }
+      EXPECT_EQ(listed.count(p.describe() + " " + pipeline_split_text(even)), 0u) << name << ": " << p.describe();
+    }
+    if (c.tensor_parallel == 1) {
+      EXPECT_GT(even_cuts, 0) << name;
+    }
     ASSERT_GE(found.plans.size(), std::min<size_t>(10, every.plans.size())) << name;
     EXPECT_EQ(found.considered, every.considered) << name;
     EXPECT_LT(found.estimated, every.estimated) << name;
@@ -70,8 +91,7 @@ TEST(Planner, TheSearchFindsWhatEstimatingEveryCandidateFinds) {
           << name << " #" << i;
       TrainSpec spec = train_spec(base);
       spec.step() = found.plans[i].step();
-      spec.world = found.plans[i].world;
-      spec.pipeline.split.clear();
+      spec.world = found.plans[i].world;  // its --pipeline-split too: the cut it is run with
       EXPECT_EQ(estimate(model, spec).peak_bytes, found.plans[i].predicted_peak_bytes) << name << " #" << i;
     }
   }

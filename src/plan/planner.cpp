@@ -85,11 +85,14 @@ PlanResult fitting_plans(const PlanRequest& r) {
   // peaks (estimate/pipeline_cut.h), which costs a layout's estimate 1.7x to 3x the parameters' cut.
   const std::vector<Estimate> estimates = estimate_all(s.model, candidates, r.threads);
   out.considered = out.estimated = static_cast<int64_t>(candidates.size());
+  const std::vector<size_t> even = even_siblings(candidates);
+  std::vector<char> fits(candidates.size(), 0);
   for (size_t i = 0; i < candidates.size(); ++i) {
     Plan p = plan_of_spec(candidates[i]);
-    const bool fits = estimated_plan(p, estimates[i], s.limit);
+    fits[i] = estimated_plan(p, estimates[i], s.limit);
     note_peak(out, p);
-    if (fits) out.plans.push_back(p);
+    // A layout cut by memory is never faster than cut evenly: listed only where that does not fit.
+    if (fits[i] && !(even[i] != SIZE_MAX && fits[even[i]])) out.plans.push_back(p);
   }
   return out;
 }
@@ -110,8 +113,12 @@ void cost_step(Plan& p, const PlanRequest& r, const ModelConfig& model, const Co
                                         p.checkpointing, p.attention, p.loss.chunked);
   double share = 1;
   if (p.pipeline.stages > 1) {
-    // A bound: no stage of any cut has fewer than the layers shared as evenly as they go.
-    int64_t most = (model.num_layers + p.pipeline.stages - 1) / p.pipeline.stages;
+    // A bound: no stage of any cut has fewer than the layers shared as evenly as they go. A layout
+    // cut by memory (no split) is listed only where its even cut (even_cut) does not fit, and so is
+    // cut otherwise: where the stages divide the layers, with a stage of one layer more.
+    const int64_t layers = model.num_layers, p_stages = p.pipeline.stages;
+    int64_t most = (layers + p_stages - 1) / p_stages;
+    if (bound && p.pipeline.split.empty() && layers % p_stages == 0 && p_stages < layers) ++most;
     if (!bound) {
       most = 0;
       for (const LayerRange& range : pipeline_stages(model, p.pipeline)) most = std::max(most, range.end - range.first);
