@@ -289,7 +289,7 @@ class BoundFirstSearch {
       }
       f.fits_up_to = std::max(f.fits_up_to, p.batch);
       cost_step(p, r_, s_.model, cost_, s_.base.cuda, /*bound=*/false);
-      if (listed_[probes[k]]) continue;  // listed by its family before, and estimated now by verified()
+      if (listed_[probes[k]]) continue;  // a candidate is listed once
       found_.push_back({p, probes[k], true});
       listed_[probes[k]] = 1;
     }
