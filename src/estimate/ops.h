@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "estimate/sim.h"
@@ -47,7 +48,7 @@ class Ops {
   Ops& operator=(const Ops&) = delete;
 
   // ---- labels and gradients ----
-  int act(const std::string& name, const std::string& formula) {
+  int act(std::string_view name, std::string_view formula) {
     return mem_.label(name, Category::activations, formula);
   }
 

@@ -25,11 +25,11 @@ const char* category_name(Category c) {
 
 Buffer::~Buffer() { memory_->release(id_); }
 
-int Memory::label(const std::string& name, Category category, const std::string& formula) {
+int Memory::label(std::string_view name, Category category, std::string_view formula) {
   for (size_t i = 0; i < labels_.size(); ++i) {
     if (labels_[i].name == name) return static_cast<int>(i);
   }
-  labels_.push_back({name, category, formula});
+  labels_.push_back({std::string(name), category, std::string(formula)});
   by_label_.push_back(0);
   host_by_label_.push_back(0);
   return static_cast<int>(labels_.size() - 1);

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -67,7 +68,7 @@ using Ref = std::shared_ptr<Buffer>;
 
 class Memory {
  public:
-  int label(const std::string& name, Category category, const std::string& formula = "");
+  int label(std::string_view name, Category category, std::string_view formula = {});
   Ref allocate(int64_t bytes, int label);
   // Host memory (optimizer offload, optim/offload.h): counted apart from the device's — not in
   // live(), the peak or the events — with a peak of its own.
