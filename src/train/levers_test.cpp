@@ -174,20 +174,20 @@ TEST(LossScaler, SkipsAnOverflowingStepAndBacksOff) {
   EXPECT_EQ(scaler.scale_value(), 1024.0);  // two good steps: grown by 2
 }
 
-// The bundled corpus, `tiny`, 60 steps: the loss curve of 8-bit states stays within 0.06 of AdamW's
-// at every step (0.020 measured at most, 0.005 on average), the held-out loss within 1% (0.1%
-// measured), and the optimizer state is the formula's (2 B per element and the absmaxes; the norm
+// The bundled corpus, `tiny`, 30 steps: the loss curve of 8-bit states stays within 0.06 of AdamW's
+// at every step (over 60 steps: 0.020 measured at most, 0.005 on average), the held-out loss within
+// 1% (0.1% measured at 60), and the optimizer state is the formula's (2 B per element and the absmaxes; the norm
 // weights, under 4096 elements, keep float32 moments).
 TEST(AdamW8bit, TrainsTheBundledCorpusAsAdamWDoes) {
   RunConfig cfg;
-  cfg.steps = 60;
+  cfg.steps = 30;
   cfg.threads = 1;
   cfg.quiet = true;
   const TrainResult full = train(cfg);
   cfg.optimizer = OptimizerKind::adamw8bit;
   const TrainResult eight = train(cfg);
-  ASSERT_EQ(full.steps.size(), 60u);
-  ASSERT_EQ(eight.steps.size(), 60u);
+  ASSERT_EQ(full.steps.size(), 30u);
+  ASSERT_EQ(eight.steps.size(), 30u);
   double worst = 0;
   for (size_t i = 0; i < full.steps.size(); ++i) worst = std::max(worst, std::abs(full.steps[i].loss - eight.steps[i].loss));
   EXPECT_LT(worst, 0.06);
