@@ -56,6 +56,10 @@ struct TrainSpec : StepSettings {
   // The planner's: a step whose allocated peak is over `budget` already cannot fit, and its caching
   // allocator's replay is not made (Estimate::reserved stays nullopt).
   bool reserved_within_budget_only = false;
+  // Whether a step peaking at `allocated` bytes skips the caching allocator's replay (above).
+  bool skips_reserved(int64_t allocated) const {
+    return reserved_within_budget_only && budget && allocated > *budget;
+  }
 };
 
 struct EstimateItem {

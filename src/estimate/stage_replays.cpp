@@ -35,7 +35,7 @@ const Estimate& StageReplays::with_allocator(const ModelConfig& model, const Tra
                                              const std::vector<LayerRange>& cut, int64_t stage) {
   Replayed& r = replayed(model, spec, cut, stage);
   if (!spec.caching) return r.live;
-  if (spec.reserved_within_budget_only && spec.budget && r.live.peak_bytes > *spec.budget) return r.live;
+  if (spec.skips_reserved(r.live.peak_bytes)) return r.live;
   if (!r.with_allocator) {
     // As StepReplay::result replays them, under the spec's cap.
     r.with_allocator = r.live;

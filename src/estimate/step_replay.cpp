@@ -271,8 +271,7 @@ Estimate StepReplay::result(const CategoryBytes& at_update, size_t step_begin) c
   }
   std::stable_sort(e.items.begin(), e.items.end(),
                    [](const EstimateItem& a, const EstimateItem& b) { return a.bytes > b.bytes; });
-  const bool over = s_.reserved_within_budget_only && s_.budget && e.peak_bytes > *s_.budget;
-  if (s_.caching && !over) e.reserved = replay_reserved(mem_.events(), step_begin, kReservedSteps, *s_.caching, s_.budget);
+  if (s_.caching && !s_.skips_reserved(e.peak_bytes)) e.reserved = replay_reserved(mem_.events(), step_begin, kReservedSteps, *s_.caching, s_.budget);
   return e;
 }
 
