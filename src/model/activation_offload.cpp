@@ -10,18 +10,14 @@
 
 namespace headroom {
 
-namespace {
-
-// One storage's bytes in host memory, and which storage (and version of it) they are.
-struct HostCopy {
-  at::Tensor bytes;  // uint8 [nbytes], host
-  c10::weak_intrusive_ptr<c10::StorageImpl> source{c10::intrusive_ptr<c10::StorageImpl>()};
-  int64_t version = 0;
-};
-
-}  // namespace
-
 struct ActivationOffload::Layer {
+  // One storage's bytes in host memory, and which storage (and version of it) they are.
+  struct HostCopy {
+    at::Tensor bytes;  // uint8 [nbytes], host
+    c10::weak_intrusive_ptr<c10::StorageImpl> source{c10::intrusive_ptr<c10::StorageImpl>()};
+    int64_t version = 0;
+  };
+
   c10::Device device{c10::kCPU};
   std::vector<HostCopy> copies;                                // in the order they were made
   std::unordered_map<const c10::StorageImpl*, size_t> latest;  // while recorded: each storage's copy
@@ -92,7 +88,7 @@ std::any ActivationOffload::pack(const at::Tensor& t) {
   if (found == layer.latest.end() || layer.copies[found->second].source.expired() ||
       layer.copies[found->second].version != version) {
     const auto nbytes = static_cast<int64_t>(storage->nbytes());
-    HostCopy fresh;
+    Layer::HostCopy fresh;
     {
       const HostPoolScope host;
       fresh.bytes = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(t.is_cuda()));
