@@ -45,8 +45,8 @@ void AtomicFile::commit() {
     fail("{}: renaming '{}' to '{}' failed: {}", what_, temp_, path_, std::strerror(errno));
   }
   committed_ = true;
-  std::string dir = std::filesystem::path(path_).parent_path().string();
-  if (dir.empty()) dir = ".";
+  const std::filesystem::path parent = std::filesystem::path(path_).parent_path();
+  const std::string dir = parent.empty() ? std::string(".") : parent.string();
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);
