@@ -1,9 +1,11 @@
-"""One rank of a real FSDP2 training step on the cpu (Gloo), run by torchrun from test_world.py:
-rank r's measured peak (headroom's counting allocator) written to ``$OUT/rank<r>.json``.
+"""One rank of real FSDP2 training steps on the cpu (Gloo), run by torchrun from test_world.py: for
+each of the models named (comma-separated, one after another in the same ranks), rank r's measured
+peak (headroom's counting allocator) written to ``$OUT/<name>.rank<r>.json``.
 
 The model is transformers' own LlamaForCausalLM, built on the meta device, sharded by the same
 ``parallelize`` the estimate is given, then made real on the cpu (seeded), as torchtitan does.
 """
+import gc
 import json
 import os
 import sys
@@ -17,11 +19,9 @@ from headroom import _core  # noqa: E402
 from world_models import MODELS, inputs_for  # noqa: E402
 
 
-def main() -> None:
-    name, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+def measure(name: str, out_dir: str, rank: int, size: int) -> None:
     build, parallelize, settings = MODELS[name]
+    gc.collect()  # what the model before left to the cycle collector
     base = _core.cpu_live_bytes()
     _core.reset_cpu_peak()
     torch.manual_seed(0)
@@ -53,8 +53,16 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = _core.cpu_peak_bytes() - base
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "peak_bytes": peak, "losses": losses}, f)
+
+
+def main() -> None:
+    names, out_dir = sys.argv[1].split(","), sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for name in names:  # each launch of torchrun costs its ranks' start (torch, transformers)
+        measure(name, out_dir, rank, size)
     dist.destroy_process_group()
 
 

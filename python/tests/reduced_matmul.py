@@ -33,6 +33,13 @@ def _through_float(a: torch.Tensor, b: torch.Tensor) -> bool:
 # into them twenty times the copy itself (Qwen3's head: 1.8 s against 0.09 s).
 _SCRATCH = {}
 
+# In small pages: NumPy asks the kernel for transparent huge pages on its large arrays, and where
+# the kernel compacts memory to find them (defrag "madvise", this machine's) the scratch's first
+# pages cost far more than they save. Qwen3-30B-A3B's widths (test_anymodel.py's mixture of
+# experts, pure bf16): its first backward 21.7 s, 18 s of it in the kernel, against 3.8 s.
+_np_multiarray = getattr(np, "_core", None) or np.core
+_np_multiarray.multiarray._set_madvise_hugepage(False)
+
 
 def _float(shape, role: str) -> torch.Tensor:
     n = int(np.prod(shape))

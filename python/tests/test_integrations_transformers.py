@@ -142,16 +142,19 @@ def gpt2_without_dropout():
     return model
 
 
+GUARD_STEPS = 2
+
+
 def guarded_run(tmp_path, budget=None, guard=True, **settings):
-    """Three steps of 8 x 128 tokens (unless `settings` say otherwise), where the step's peak is the
-    head's backward, over the logits and their gradient (at fewer tokens it is the end of backward,
+    """Two steps of 8 x 128 tokens (unless `settings` say otherwise), where the step's peak is the
+    second's head backward (AdamW's state made by the first), over the logits and their gradient (at fewer tokens it is the end of backward,
     where the tied embedding's two gradients are summed: halving the batch does not lower that)."""
     callback = HeadroomCallback(guard=guard, leak=False)
     settings = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, **settings}
     trainer = transformers.Trainer(
         model=gpt2_without_dropout(),
-        args=arguments(tmp_path, max_steps=3, logging_steps=1, **settings),
-        train_dataset=rows(24, seq=128), callbacks=[callback])
+        args=arguments(tmp_path, max_steps=GUARD_STEPS, logging_steps=1, **settings),
+        train_dataset=rows(8 * GUARD_STEPS, seq=128), callbacks=[callback])
     headroom.cpu_budget(budget)
     try:
         trainer.train()
@@ -174,7 +177,7 @@ def test_the_guard_absorbs_an_oom_at_the_same_effective_batch(tmp_path, caplog):
     unconstrained run's, the Trainer's schedule untouched (same steps, same learning rates)."""
     gc.collect()
     free = guarded_run(tmp_path)
-    assert free["callback_recoveries"] == 0 and len(free["losses"]) == 3
+    assert free["callback_recoveries"] == 0 and len(free["losses"]) == GUARD_STEPS
     with caplog.at_level(logging.WARNING, logger="headroom"):
         tight = guarded_run(tmp_path, budget=free["peak"] - 1)
     assert tight["callback_recoveries"] >= 1 and sum(tight["recoveries"]) == tight["callback_recoveries"]
@@ -187,7 +190,7 @@ def test_the_guard_absorbs_an_oom_at_the_same_effective_batch(tmp_path, caplog):
 def test_without_the_guard_the_run_ends_with_a_plan_that_fits(tmp_path, caplog):
     """The same budget without the guard ends the run; the error names the step and phase and gives
     a plan for the same effective batch as TrainingArguments fields, which fits that budget: the
-    Trainer, given them, runs its three steps under it."""
+    Trainer, given them, runs its steps under it."""
     gc.collect()
     free = guarded_run(tmp_path, guard=False)
     budget = free["peak"] - 1
@@ -202,7 +205,7 @@ def test_without_the_guard_the_run_ends_with_a_plan_that_fits(tmp_path, caplog):
     assert settings["per_device_train_batch_size"] * settings["gradient_accumulation_steps"] == 8
     settings = {k: v for k, v in settings.items() if k not in ("bf16", "fp16", "optim")}
     planned = guarded_run(tmp_path, budget=budget, guard=False, **settings)
-    assert len(planned["losses"]) == 3 and planned["peak"] <= budget
+    assert len(planned["losses"]) == GUARD_STEPS and planned["peak"] <= budget
 
 
 def test_bad_settings_are_refused_in_one_line():

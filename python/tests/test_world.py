@@ -16,23 +16,31 @@ from world_models import MODELS, _smollm, fsdp_bf16, inputs_for
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _measured(name: str, ranks: int, tmp_path) -> list:
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(headroom.__file__)),
-                                                      os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    run = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={ranks}",
-                          os.path.join(HERE, "fsdp_step.py"), name, str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(ranks)]
+# The runs measured: each world size's models in one launch of torchrun, one after another.
+RUNS = [("smollm-fsdp-bf16", 2), ("smollm-fsdp-bf16", 4), ("smollm-untied-fsdp-fp32-keep", 2),
+        ("smollm-fsdp-bf16-per-op", 2), ("smollm-fsdp2-tp2", 4)]
+_MEASURED = {}
 
 
-@pytest.mark.parametrize("name,ranks", [("smollm-fsdp-bf16", 2), ("smollm-fsdp-bf16", 4),
-                                        ("smollm-untied-fsdp-fp32-keep", 2), ("smollm-fsdp-bf16-per-op", 2),
-                                        ("smollm-fsdp2-tp2", 4)])
-def test_a_ranks_estimate_is_its_measured_peak(name, ranks, tmp_path):
+def _measured(name: str, ranks: int, tmp_path_factory) -> list:
+    if ranks not in _MEASURED:
+        names = [n for n, r in RUNS if r == ranks]
+        out = tmp_path_factory.mktemp(f"ranks{ranks}")
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(headroom.__file__)),
+                                                          os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+        run = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={ranks}",
+                              os.path.join(HERE, "fsdp_step.py"), ",".join(names), str(out)],
+                             env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        _MEASURED[ranks] = {n: [json.load(open(out / f"{n}.rank{r}.json")) for r in range(ranks)] for n in names}
+    return _MEASURED[ranks][name]
+
+
+@pytest.mark.parametrize("name,ranks", RUNS)
+def test_a_ranks_estimate_is_its_measured_peak(name, ranks, tmp_path_factory):
     build, parallelize, settings = MODELS[name]
-    measured = _measured(name, ranks, tmp_path)
+    measured = _measured(name, ranks, tmp_path_factory)
     with torch.device("meta"):
         model = build()
     for r in sorted({0, ranks - 1}):

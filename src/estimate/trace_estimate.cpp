@@ -34,7 +34,13 @@ Estimate estimate_traced(const TracedStep& step) {
   for (size_t i = 0; i < step.events.size(); ++i) {
     if (i == begin) begin_step();
     const TracedEvent& e = step.events[i];
-    if (e.phase != mem.phase()) mem.set_phase(e.phase);
+    if (e.phase != mem.phase()) {
+      // The step runner enters the optimizer's phase between backward and zero_grad; an update
+      // that allocates and frees nothing (plain SGD on cpu) leaves no event of it, and its peak is
+      // what is live as it runs.
+      if (mem.phase() == Phase::backward && e.phase == Phase::zero_grad) mem.set_phase(Phase::optimizer);
+      mem.set_phase(e.phase);
+    }
     if (e.allocated) {
       if (e.label < 0 || static_cast<size_t>(e.label) >= label_ids.size()) {
         fail("trace: event {} names label {} of {}", i, e.label, label_ids.size());
