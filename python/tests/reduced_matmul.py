@@ -37,8 +37,10 @@ _SCRATCH = {}
 # the kernel compacts memory to find them (defrag "madvise", this machine's) the scratch's first
 # pages cost far more than they save. Qwen3-30B-A3B's widths (test_anymodel.py's mixture of
 # experts, pure bf16): its first backward 21.7 s, 18 s of it in the kernel, against 3.8 s.
-_np_multiarray = getattr(np, "_core", None) or np.core
-_np_multiarray.multiarray._set_madvise_hugepage(False)
+_set_madvise_hugepage = getattr(getattr(getattr(np, "_core", None) or np.core, "multiarray", None),
+                                "_set_madvise_hugepage", None)  # NumPy's own switch, private
+if _set_madvise_hugepage is not None:
+    _set_madvise_hugepage(False)
 
 
 def _float(shape, role: str) -> torch.Tensor:
