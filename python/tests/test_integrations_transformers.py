@@ -147,8 +147,9 @@ GUARD_STEPS = 2
 
 def guarded_run(tmp_path, budget=None, guard=True, **settings):
     """Two steps of 8 x 128 tokens (unless `settings` say otherwise), where the step's peak is the
-    second's head backward (AdamW's state made by the first), over the logits and their gradient (at fewer tokens it is the end of backward,
-    where the tied embedding's two gradients are summed: halving the batch does not lower that)."""
+    second's head backward (AdamW's state made by the first), over the logits and their gradient
+    (at fewer tokens it is the end of backward, where the tied embedding's two gradients are summed:
+    halving the batch does not lower that)."""
     callback = HeadroomCallback(guard=guard, leak=False)
     settings = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, **settings}
     trainer = transformers.Trainer(
